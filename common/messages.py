@@ -1,0 +1,261 @@
+"""Every message that crosses a process boundary, defined once.
+
+Three links (see docs/architecture.md):
+  client SDK <-> router      Client* messages on the router's ZMQ front door
+  router <-> scheduler       GenerateReq / AbortReq down, TokenOutBatch / ReqError up
+  scheduler <-> worker       ExtendBatch / DecodeBatch / ReleaseBatch down, StepResult up
+Each receiver decodes with its own registry below, so a message sent to the wrong socket
+is rejected as unknown rather than misread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---------------------------------------------------------------- sampling
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling; `temperature == 0` means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first parameter out of range."""
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (
+                _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "repetition_penalty must be > 0",
+            ),
+            (
+                _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (
+                _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "presence_penalty must be in [-2, 2]",
+            ),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+# ---------------------------------------------------------------- router <-> scheduler
+
+
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class TokenOut:
+    """New tokens of one request since its previous TokenOut."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class TokenOutBatch:
+    outputs: list[TokenOut]
+
+
+@dataclass
+class ReqError:
+    """A request the scheduler refused or lost; `status` is the HTTP status to report."""
+
+    rid: str
+    message: str
+    code: str = "invalid_request_error"
+    status: int = 400
+
+
+@dataclass
+class SchedulerReady:
+    num_slots: int
+    max_running_requests: int
+    context_len: int
+    model_type: str
+
+
+@dataclass
+class SchedulerStats:
+    """Periodic gauges and counter deltas for the router's /metrics."""
+
+    num_running: int
+    num_queued: int
+    token_usage: float
+    capacity: int
+    evicted_tokens: int
+    retracted_requests: int
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+
+@dataclass
+class ReleaseReq:
+    """A request leaving the worker: flush its deferred KV to the pool, or drop it."""
+
+    rid: str
+    flush: bool
+
+
+@dataclass
+class ExtendReq:
+    rid: str
+    input_ids: list[int]
+    prefix_slot_ids: list[int]
+    out_cache_loc: list[int]
+    sampling: SamplingParams
+    last_chunk: bool = True
+
+
+@dataclass
+class ExtendBatch:
+    step: int
+    reqs: list[ExtendReq]
+    release: list[ReleaseReq] = field(default_factory=list)
+
+
+@dataclass
+class DecodeBatch:
+    step: int
+    rids: list[str]
+    out_cache_loc: list[int]
+    release: list[ReleaseReq] = field(default_factory=list)
+
+
+@dataclass
+class ReleaseBatch:
+    step: int
+    release: list[ReleaseReq]
+
+
+@dataclass
+class StepResult:
+    """Sampled tokens of a step, one per sampled request, in descriptor order."""
+
+    step: int
+    rids: list[str]
+    next_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class WorkerReady:
+    num_slots: int
+    model_type: str
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+    context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    blas: str
+
+
+@dataclass
+class WorkerError:
+    step: int
+    message: str
+
+
+# ---------------------------------------------------------------- SDK <-> router
+
+
+@dataclass
+class ClientGenerate:
+    rid: str
+    sampling: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    stream: bool = False
+
+
+@dataclass
+class ClientAbort:
+    rid: str
+
+
+@dataclass
+class ClientResult:
+    """A streamed increment, or the whole answer when `finish_reason` is set."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class ClientError:
+    rid: str
+    message: str
+    code: str = "invalid_request_error"
+    status: int = 400
+
+
+def _registry(*classes: type) -> dict[str, type]:
+    return {c.__name__: c for c in classes}
+
+
+SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq)
+SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError)
+ROUTER_INBOX = _registry(TokenOutBatch, ReqError, SchedulerReady, SchedulerStats)
+WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch)
+FRONTDOOR_INBOX = _registry(ClientGenerate, ClientAbort)
+CLIENT_INBOX = _registry(ClientResult, ClientError)

@@ -1,0 +1,352 @@
+"""Build tiny random-weight models that load offline with ``mlx_lm.load``.
+
+Tests and benchmarks need a real model directory (weights, config, tokenizer, chat
+template) without downloading anything.  The weights are random but scaled so greedy
+decoding produces varied tokens with clear argmax margins, and everything is
+deterministic for a given seed so builds are reproducible byte for byte.
+
+Usage::
+
+    python -m common.tiny_model OUT [--preset tiny|small] [--arch qwen3|llama] [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+logger = logging.getLogger(__name__)
+
+# Bump whenever the builder's output changes, so cached models are rebuilt.
+BUILDER_VERSION = 1
+
+CORPUS_PATH = Path(__file__).with_name("tiny_corpus.txt")
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+ARCHES = ("qwen3", "llama")
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128),
+    "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768),
+}
+
+_HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def default_cache_dir() -> Path:
+    """Where built models are cached: ``$RADIX_MLX_CACHE`` or ``~/.cache/radix-mlx``."""
+    env = os.environ.get("RADIX_MLX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "radix-mlx"
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(vocab_size: int, corpus_path: Path = CORPUS_PATH) -> Any:
+    """Train a byte-level BPE so any UTF-8 text round-trips through encode/decode."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = corpus_path.read_text(encoding="utf-8")
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return tokenizer
+
+
+def _tokenizer_config(max_length: int) -> dict[str, Any]:
+    """HF tokenizer settings: ChatML template, no BOS, ``<|im_end|>`` ends a turn."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> dict[str, int]:
+    """Write tokenizer files and return the ids of the special tokens and the vocab size."""
+    tokenizer = train_tokenizer(vocab_size)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(max_length))
+    _write_json(
+        out_dir / "special_tokens_map.json",
+        {"eos_token": IM_END, "pad_token": ENDOFTEXT},
+    )
+    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    ids["vocab_size"] = tokenizer.get_vocab_size(with_added_tokens=True)
+    return ids
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _model_config(
+    arch: str,
+    dims: dict[str, int],
+    *,
+    vocab_size: int,
+    max_position_embeddings: int,
+    rope_theta: float,
+    tie_word_embeddings: bool,
+    eos_token_id: int,
+) -> dict[str, Any]:
+    """The HF-style ``config.json`` that mlx-lm's ``ModelArgs.from_dict`` reads."""
+    return {
+        "architectures": [_HF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": dims["hidden"],
+        "num_hidden_layers": dims["layers"],
+        "intermediate_size": dims["intermediate"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "head_dim": dims["head_dim"],
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": float(rope_theta),
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+        "eos_token_id": eos_token_id,
+    }
+
+
+# Init constants, tuned so random models decode greedily into varied, stable tokens:
+# small embeddings keep a token from predicting itself through the residual stream
+# (tied weights otherwise create absorbing "t t t t" loops), sharp attention makes the
+# next token depend on the whole context, and a final-norm gain restores the logit
+# spread so top-2 margins stay far above float rounding noise.
+EMBED_STD = 0.02
+QK_GAIN = 2.0  # q and k each scaled by this: attention scores have std ~QK_GAIN**2
+LOGIT_STD = 3.0
+
+
+def _param_std(name: str, shape: tuple[int, ...], init_scale: float) -> float:
+    """Std of a weight matrix: unit-RMS outputs for projections, small embeddings."""
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return init_scale * EMBED_STD
+    gain = QK_GAIN if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+    return init_scale * gain / float(np.sqrt(shape[1]))
+
+
+def _norm_gain(name: str, hidden: int) -> float:
+    """Constant RMSNorm weight: sharpens q/k (qwen3) and scales the final logits."""
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return QK_GAIN
+    if name == "model.norm.weight":
+        return LOGIT_STD / (float(np.sqrt(hidden)) * EMBED_STD)
+    return 1.0
+
+
+def _random_weights(
+    shapes: dict[str, tuple[int, ...]], hidden: int, seed: int, init_scale: float
+) -> dict[str, np.ndarray]:
+    """Seeded normal init for every parameter; norm weights get constant gains.
+
+    Keys are visited in sorted order so the random stream never depends on dict order.
+    """
+    rng = np.random.Generator(np.random.PCG64(seed))
+    weights = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if len(shape) == 1:
+            weights[name] = np.full(shape, _norm_gain(name, hidden), dtype=np.float32)
+        else:
+            std = np.float32(_param_std(name, shape, init_scale))
+            weights[name] = rng.standard_normal(shape, dtype=np.float32) * std
+    return weights
+
+
+def make_model(config: dict[str, Any], seed: int, init_scale: float) -> Any:
+    """Instantiate the mlx-lm model class for ``config`` and fill in seeded weights."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)  # construction draws from mlx's RNG; every value is replaced below
+    model = module.Model(module.ModelArgs.from_dict(config))
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    weights = _random_weights(shapes, config["hidden_size"], seed, init_scale)
+    model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
+    mx.eval(model.parameters())
+    return model
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Stable JSON (sorted keys) so repeated builds are byte-identical."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen3",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 32768,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = True,
+    init_scale: float = 1.0,
+    seed: int = 0,
+) -> Path:
+    """Write a complete model directory (weights, config, tokenizer) to ``out_dir``.
+
+    ``vocab_size`` is the BPE training target; ``config.json`` records the tokenizer's
+    actual size so embeddings and tokenizer always agree.
+    """
+    if arch not in ARCHES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = write_tokenizer(out, vocab_size, max_position_embeddings)
+    dims = dict(
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+    )
+    config = _model_config(
+        arch,
+        dims,
+        vocab_size=tok["vocab_size"],
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tok[IM_END],
+    )
+    model = make_model(config, seed, init_scale)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"eos_token_id": tok[IM_END], "pad_token_id": tok[ENDOFTEXT]},
+    )
+    logger.info("wrote %s tiny model to %s", arch, out)
+    return out
+
+
+def ensure_tiny_model(
+    cache_dir: str | Path | None = None,
+    preset: str = "tiny",
+    arch: str = "qwen3",
+    seed: int = 0,
+) -> Path:
+    """Return a cached model dir, building it once; safe against concurrent builders.
+
+    The model is built in a private temp dir and renamed into place, so readers only
+    ever see complete directories.  If another process wins the race, its copy is kept.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = cache / f"{preset}-{arch}-s{seed}-v{BUILDER_VERSION}"
+    if final.is_dir():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
+    try:
+        build_tiny_model(tmp, arch=arch, seed=seed, **PRESETS[preset])
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp)
+    return final
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m common.tiny_model", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("out", type=Path, help="output model directory")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--arch", choices=ARCHES, default="qwen3")
+    # Architecture dims default to the preset's values; explicit flags override them.
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--intermediate", type=int)
+    p.add_argument("--vocab-size", type=int, default=512, help="BPE target vocab size")
+    p.add_argument("--max-position-embeddings", type=int, default=32768)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--init-scale", type=float, default=1.0, help="weight std multiplier")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point: build one model and print where it went."""
+    args = _parse_args(argv)
+    dims = dict(PRESETS[args.preset])
+    for key in dims:
+        if getattr(args, key) is not None:
+            dims[key] = getattr(args, key)
+    out = build_tiny_model(
+        args.out,
+        arch=args.arch,
+        vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=args.rope_theta,
+        tie_word_embeddings=args.tie_word_embeddings,
+        init_scale=args.init_scale,
+        seed=args.seed,
+        **dims,
+    )
+    print(f"wrote {args.preset} {args.arch} model to {out}")
+
+
+if __name__ == "__main__":
+    main()

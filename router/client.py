@@ -1,0 +1,236 @@
+"""radix-mlx SDK: talk to a running server over its ZMQ front door.
+
+    from router.client import Client
+    with Client("tcp://127.0.0.1:30001") as c:
+        r = c.generate("Hello", max_new_tokens=8, temperature=0)
+        print(r.output_ids, r.text, r.finish_reason, r.usage.cached_tokens)
+
+`AsyncClient` has the same methods as coroutines / async iterators and may run many
+requests at once on one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from common.messages import (
+    CLIENT_INBOX,
+    ClientAbort,
+    ClientError,
+    ClientGenerate,
+    ClientResult,
+    SamplingParams,
+)
+from common.protocol import decode, encode
+
+_SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+class RadixMLXError(Exception):
+    """The server refused or failed a request; `message` is the server's own words."""
+
+    def __init__(self, message: str, code: str = "error", status: int = 500):
+        super().__init__(message)
+        self.message, self.code, self.status = message, code, status
+
+
+class RequestTimeout(RadixMLXError, TimeoutError):
+    def __init__(self, seconds: float):
+        super().__init__(f"no answer within {seconds} s", "timeout", 408)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    output_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage
+
+
+@dataclass
+class StreamChunk:
+    rid: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage
+
+
+def _request(
+    stream: bool, text=None, input_ids=None, messages=None, rid=None, **sampling: Any
+) -> ClientGenerate:
+    unknown = set(sampling) - _SAMPLING_NAMES
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    return ClientGenerate(
+        rid=rid or uuid.uuid4().hex,
+        sampling=SamplingParams(**sampling),
+        text=text,
+        input_ids=list(input_ids) if input_ids is not None else None,
+        messages=messages,
+        stream=stream,
+    )
+
+
+def _chunk(msg: ClientResult | ClientError) -> StreamChunk:
+    if isinstance(msg, ClientError):
+        raise RadixMLXError(msg.message, msg.code, msg.status)
+    usage = Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
+    return StreamChunk(msg.rid, msg.token_ids, msg.text, msg.finish_reason, usage)
+
+
+def _result(c: StreamChunk) -> GenerateResult:
+    return GenerateResult(c.rid, c.token_ids, c.text, c.finish_reason, c.usage)
+
+
+class Client:
+    """Blocking client; one request at a time per instance."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0):
+        self.address, self.timeout = address, timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+
+    def generate(
+        self, text: str | None = None, *, input_ids=None, timeout=None, **sampling
+    ) -> GenerateResult:
+        req = _request(False, text, input_ids, **sampling)
+        return _result(next(self._run(req, timeout)))
+
+    def chat(self, messages: list[dict], *, timeout=None, **sampling) -> GenerateResult:
+        req = _request(False, messages=messages, **sampling)
+        return _result(next(self._run(req, timeout)))
+
+    def stream(
+        self, text: str | None = None, *, input_ids=None, messages=None, timeout=None, **sampling
+    ) -> Iterator[StreamChunk]:
+        """Yield increments; closing the iterator early aborts the request."""
+        yield from self._run(_request(True, text, input_ids, messages, **sampling), timeout)
+
+    def abort(self, rid: str) -> None:
+        self._sock.send(encode(ClientAbort(rid)))
+
+    def _run(self, req: ClientGenerate, timeout: float | None) -> Iterator[StreamChunk]:
+        timeout = timeout if timeout is not None else self.timeout
+        self._sock.send(encode(req))
+        done = False
+        try:
+            while not done:
+                chunk = _chunk(self._recv(req.rid, timeout))
+                done = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not done:
+                self.abort(req.rid)
+
+    def _recv(self, rid: str, timeout: float | None) -> ClientResult | ClientError:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._sock.poll(None if wait is None else int(wait * 1000)):
+                raise RequestTimeout(timeout)
+            msg = decode(self._sock.recv(), CLIENT_INBOX)
+            if msg.rid in (rid, ""):
+                return msg  # anything else is a late answer to an aborted request
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; any number of concurrent requests share one connection."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0):
+        self.address, self.timeout = address, timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def generate(
+        self, text: str | None = None, *, input_ids=None, timeout=None, **sampling
+    ) -> GenerateResult:
+        req = _request(False, text, input_ids, **sampling)
+        async for chunk in self._run(req, timeout):
+            return _result(chunk)
+        raise RadixMLXError("stream ended without a result")
+
+    async def chat(self, messages: list[dict], *, timeout=None, **sampling) -> GenerateResult:
+        return await self.generate(None, timeout=timeout, messages=messages, **sampling)
+
+    async def stream(
+        self, text: str | None = None, *, input_ids=None, messages=None, timeout=None, **sampling
+    ) -> AsyncIterator[StreamChunk]:
+        async for chunk in self._run(
+            _request(True, text, input_ids, messages, **sampling), timeout
+        ):
+            yield chunk
+
+    async def abort(self, rid: str) -> None:
+        await self._sock.send(encode(ClientAbort(rid)))
+
+    async def _run(self, req: ClientGenerate, timeout) -> AsyncIterator[StreamChunk]:
+        timeout = timeout if timeout is not None else self.timeout
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        queue = self._queues[req.rid] = asyncio.Queue()
+        await self._sock.send(encode(req))
+        done = False
+        try:
+            while not done:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(timeout) from None
+                chunk = _chunk(msg)
+                done = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            self._queues.pop(req.rid, None)
+            if not done:
+                await self.abort(req.rid)
+
+    async def _read(self) -> None:
+        while True:
+            msg = decode(await self._sock.recv(), CLIENT_INBOX)
+            targets = self._queues.values() if msg.rid == "" else [self._queues.get(msg.rid)]
+            for q in targets:
+                if q is not None:
+                    q.put_nowait(msg)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,123 @@
+"""From a prepared request to text chunks: detokenization, stop strings, usage.
+
+Shared by the HTTP API and the SDK front door so both behave the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from common.messages import SamplingParams
+from router.detokenizer import IncrementalDetokenizer
+from router.manager import RequestError, RouterManager
+
+
+@dataclass
+class Chunk:
+    """New text and token ids since the previous chunk; `finish_reason` set on the last."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Tokenization:
+    """Text and chat prompts to token ids, with the limits checked before anything is sent."""
+
+    def __init__(self, tokenizer, manager: RouterManager):
+        self.tokenizer = tokenizer
+        self.manager = manager
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja raises many kinds
+            raise RequestError(f"cannot render the chat template: {exc}") from None
+        return self.encode_text(prompt)
+
+    def check_ids(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        vocab = len(self.tokenizer)
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        try:
+            sampling.validate(vocab)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        limit = self.manager.context_len
+        if limit and len(input_ids) + sampling.max_new_tokens > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(input_ids) + sampling.max_new_tokens} tokens "
+                f"({len(input_ids)} in the prompt, {sampling.max_new_tokens} for the completion).",
+                "context_length_exceeded",
+            )
+
+
+async def generate_text(
+    manager: RouterManager,
+    tokenizer,
+    input_ids: list[int],
+    sampling: SamplingParams,
+    stop: list[str] | None = None,
+    rid: str | None = None,
+) -> AsyncIterator[Chunk]:
+    """Stream chunks; a stop string ends the request early (and aborts it upstream)."""
+    detok = IncrementalDetokenizer(tokenizer)
+    matcher = StopMatcher(stop or [])
+    async with contextlib.aclosing(manager.generate(input_ids, sampling, rid)) as outs:
+        async for out in outs:
+            text = detok.add(out.token_ids)
+            finish = out.finish_reason
+            if finish is not None:
+                text += detok.flush()
+            text, hit = matcher.feed(text, final=finish is not None)
+            if hit:
+                finish = "stop"
+            yield Chunk(
+                text,
+                out.token_ids,
+                finish,
+                out.prompt_tokens,
+                out.completion_tokens,
+                out.cached_tokens,
+            )
+            if hit:
+                return  # leaving the generator aborts the request
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, holding back what might start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.buffer = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.buffer += text
+        cut = min((i for i in (self.buffer.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.buffer = self.buffer[:cut], ""
+            return out, True
+        if final:
+            out, self.buffer = self.buffer, ""
+            return out, False
+        keep = self.hold
+        out = self.buffer[: len(self.buffer) - keep] if keep else self.buffer
+        self.buffer = self.buffer[len(out) :]
+        return out, False

@@ -1,0 +1,38 @@
+"""Finding the model directory and loading its tokenizer in the router."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+def resolve_model_path(path_or_id: str) -> str:
+    """A local directory for `path_or_id`: the path itself, or a Hugging Face snapshot."""
+    p = Path(path_or_id).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFound(f"--model-path {path_or_id}: no config.json in that directory")
+        return str(p.resolve())
+    looks_local = path_or_id.startswith(("/", ".", "~")) or path_or_id.count("/") != 1
+    if looks_local or p.exists():
+        raise ModelNotFound(f"--model-path {path_or_id}: no such model directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        return snapshot_download(path_or_id, local_files_only=offline)
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFound(
+            f"--model-path {path_or_id}: cannot load from Hugging Face: {first_line}"
+        ) from None
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

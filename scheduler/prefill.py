@@ -1,0 +1,112 @@
+"""Choosing the next prefill batch: policy order, KV budget, chunking, shared prefixes.
+
+A request is admitted while the pool can hold its new tokens plus a share of its future
+decode tokens (`new_token_ratio`, as SGLang estimates), the batch stays within
+`--chunked-prefill-size` new tokens, and the running set within `--max-running-requests`.
+A request that shares a long uncached prefix with one already picked waits a round: the
+picked one computes the prefix, inserts it into the trie, and the others then match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.messages import ExtendReq
+from scheduler.cache import KVCacheManager
+from scheduler.request import Req
+
+LPM_MAX_WAITING = 128  # above this, matching every waiting prompt costs more than it saves
+IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait for its twin
+
+
+@dataclass
+class PrefillBatch:
+    reqs: list[Req]
+    extend: list[ExtendReq]
+    new_tokens: int
+    cached_tokens: int
+
+
+def order_waiting(waiting: list[Req], kv: KVCacheManager, policy: str) -> list[tuple[Req, int]]:
+    """Waiting requests with their cached-prefix length, in policy order."""
+    matched = [(r, len(kv.match(r))) for r in waiting]
+    if policy == "lpm" and len(waiting) <= LPM_MAX_WAITING:
+        matched.sort(key=lambda rm: -rm[1])  # stable: ties keep arrival order
+    return matched
+
+
+def build_prefill(
+    waiting: list[Req],
+    chunked: Req | None,
+    running: list[Req],
+    kv: KVCacheManager,
+    *,
+    policy: str,
+    chunk_size: int,
+    max_running: int,
+    new_token_ratio: float,
+) -> PrefillBatch | None:
+    """Admit what fits; `chunked` (a prefill in progress) always goes first."""
+    token_budget = chunk_size
+    kv_budget = kv.budget() - sum(int(r.remaining_new_tokens * new_token_ratio) for r in running)
+    seats = max_running - len(running)
+    batch = PrefillBatch([], [], 0, 0)
+    candidates = [(chunked, chunked.cache_len)] if chunked else []
+    candidates += order_waiting(waiting, kv, policy)
+    for req, matched in candidates:
+        if seats <= 0 or token_budget <= 0:
+            break
+        new = req.seq_len - (req.num_computed if req is chunked else matched)
+        if req is not chunked and _waits_for_twin(req, matched, batch.reqs):
+            continue
+        future = int(min(req.remaining_new_tokens, 4096) * new_token_ratio)
+        if req is not chunked and new + future > kv_budget:
+            break
+        take = min(new, token_budget)
+        admitted = kv.admit(req, take)
+        if admitted is None:
+            break
+        prefix, locs = admitted
+        last = req.num_computed == req.seq_len
+        batch.reqs.append(req)
+        batch.extend.append(
+            ExtendReq(
+                req.rid,
+                req.fill_ids[len(prefix) : req.num_computed],
+                prefix,
+                locs,
+                req.sampling,
+                last_chunk=last,
+            )
+        )
+        if req.cached_tokens < 0:
+            req.cached_tokens = len(prefix)
+        batch.new_tokens += take
+        batch.cached_tokens += len(prefix)
+        token_budget -= take
+        kv_budget -= take + future
+        seats -= 1 if last else 0
+    return batch if batch.reqs else None
+
+
+def _waits_for_twin(req: Req, matched: int, picked: list[Req]) -> bool:
+    """True if a picked request is about to compute a long prefix `req` could then reuse."""
+    fill = req.fill_ids
+    for other in picked:
+        if _common_prefix_len(fill, other.fill_ids) - matched >= IN_BATCH_PREFIX_MIN:
+            return True
+    return False
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on prefix equality: C-speed slices instead of a loop
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,150 @@
+"""The scheduler process: sockets around `Scheduler`.
+
+Waits for the worker's pool report, tells the router it is ready, then loops: take
+requests, send a batch, wait for its result while still taking requests, send outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+
+import zmq
+
+from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
+from common.log import setup_logging
+from common.messages import (
+    SCHEDULER_FROM_ROUTER,
+    SCHEDULER_FROM_WORKER,
+    DecodeBatch,
+    ExtendBatch,
+    ReleaseBatch,
+    ReqError,
+    SchedulerReady,
+    TokenOutBatch,
+    WorkerReady,
+)
+from common.protocol import ProtocolError, decode, encode, peek_rid
+from common.server_args import ServerArgs
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("scheduler")
+STATS_INTERVAL = 0.5  # seconds between SchedulerStats for /metrics
+
+
+class SchedulerProcess:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints):
+        self.args = args
+        self.ctx = zmq.Context()
+        self.from_router = bind_pull(self.ctx, endpoints.scheduler_in)
+        self.from_worker = bind_pull(self.ctx, endpoints.scheduler_from_worker)
+        self.to_worker = connect_push(self.ctx, endpoints.worker_in)
+        self.to_router = connect_push(self.ctx, endpoints.router_in)
+        self.poller = zmq.Poller()
+        self.poller.register(self.from_router, zmq.POLLIN)
+        self.poller.register(self.from_worker, zmq.POLLIN)
+        self.watch = ParentWatch()
+        self.sched: Scheduler | None = None
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        ready = self._wait_worker_ready()
+        self.sched = sched = Scheduler(self.args, ready)
+        self.to_router.send(
+            encode(
+                SchedulerReady(
+                    ready.num_slots,
+                    self.args.max_running_requests,
+                    sched.context_len,
+                    ready.model_type,
+                )
+            )
+        )
+        logger.info("ready: KV pool %d tokens, context %d", ready.num_slots, sched.context_len)
+        while True:
+            self._poll(timeout_ms=0 if sched.busy else 1000)
+            batch = sched.next_batch()
+            if batch is not None:
+                self.to_worker.send(encode(batch))
+                if not isinstance(batch, ReleaseBatch):
+                    sched.on_result(self._wait_result(batch))
+            self._send_outputs()
+
+    def _wait_worker_ready(self) -> WorkerReady:
+        while True:
+            msg = self._poll(timeout_ms=1000, want_worker=True)
+            if isinstance(msg, WorkerReady):
+                return msg
+            if msg is not None:
+                logger.warning("ignoring %s before the worker is ready", type(msg).__name__)
+
+    def _wait_result(self, batch: ExtendBatch | DecodeBatch):
+        while True:
+            msg = self._poll(timeout_ms=1000, want_worker=True)
+            if msg is None:
+                continue
+            if getattr(msg, "step", None) == batch.step:
+                return msg
+            logger.warning(
+                "dropping %s for step %s while waiting for step %d",
+                type(msg).__name__,
+                getattr(msg, "step", "?"),
+                batch.step,
+            )
+
+    def _poll(self, timeout_ms: int, want_worker: bool = False):
+        """Handle router messages; return one worker message if `want_worker` and one came."""
+        events = dict(self.poller.poll(timeout_ms))
+        if not events and not self.watch.parent_alive():
+            logger.info("parent process gone; exiting")
+            sys.exit(0)
+        if self.from_router in events:
+            self._drain_router()
+        if want_worker and self.from_worker in events:
+            frame = self.from_worker.recv()
+            try:
+                return decode(frame, SCHEDULER_FROM_WORKER)
+            except ProtocolError as exc:
+                logger.error("bad frame from worker: %s", exc)
+        return None
+
+    def _drain_router(self) -> None:
+        while True:
+            try:
+                frame = self.from_router.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame, SCHEDULER_FROM_ROUTER)
+            except ProtocolError as exc:
+                logger.warning("bad frame from router: %s", exc)
+                rid = peek_rid(frame)
+                if rid is not None:
+                    self.to_router.send(encode(ReqError(rid, f"bad request frame: {exc}")))
+                continue
+            if self.sched is not None:
+                self.sched.on_request(msg)
+
+    def _send_outputs(self) -> None:
+        sched = self.sched
+        outputs = sched.take_outputs()
+        tokens = [o for o in outputs if not isinstance(o, ReqError)]
+        if tokens:
+            self.to_router.send(encode(TokenOutBatch(tokens)))
+        for err in outputs:
+            if isinstance(err, ReqError):
+                self.to_router.send(encode(err))
+        now = time.monotonic()
+        if now - self._last_stats >= STATS_INTERVAL:
+            self._last_stats = now
+            self.to_router.send(encode(sched.stats()))
+
+
+def run_scheduler(args: ServerArgs, endpoints: Endpoints) -> None:
+    """Process entry point."""
+    setup_logging("scheduler", args.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    SchedulerProcess(args, endpoints).run()

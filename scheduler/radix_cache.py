@@ -1,0 +1,272 @@
+"""Radix tree over token ids whose nodes own the KV slots of their tokens (prefix caching).
+
+Modelled on SGLang's ``mem_cache/radix_cache.py`` with page_size 1. Each edge key is a run of
+token ids and the node's ``value`` holds one KV slot id per token. Requests that share a prompt
+prefix reuse the slots found by ``match_prefix``; finished requests ``insert`` their sequence so
+later requests can reuse it; ``evict`` frees least-recently-used unlocked leaves under memory
+pressure. Running requests ``inc_lock_ref`` the node their prefix ends at so it stays put.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import count
+
+from scheduler.memory_pool import TokenToKVPoolAllocator
+
+
+class TreeNode:
+    """One edge of the tree: ``key`` tokens and their KV ``value`` slots (same length)."""
+
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id")
+
+    def __init__(self, node_id: int, key: list[int], value: list[int], parent: TreeNode | None):
+        self.id = node_id
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[int, TreeNode] = {}  # keyed by the child's first token id
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    slot_ids: list[int]  # KV slots of the longest cached prefix
+    last_node: TreeNode  # node ending exactly at the match (root if nothing matched)
+
+
+def _key_match_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # fast path: C-level comparison
+        return n
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixCache:
+    """Prefix cache of KV slots. Slots held by the tree are owned by it until evicted/reset."""
+
+    def __init__(
+        self, allocator: TokenToKVPoolAllocator, page_size: int = 1, disable: bool = False
+    ) -> None:
+        if page_size != 1:
+            raise ValueError("only page_size=1 is supported")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self._ids = count()
+        self._clock = count(1)  # logical time: deterministic LRU, unlike wall time
+        self._reset_tree()
+
+    def _reset_tree(self) -> None:
+        """Empty the tree without freeing anything (used by __init__ and reset)."""
+        self.root = TreeNode(next(self._ids), [], [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+
+    def reset(self) -> None:
+        """Free every slot held by the tree back to the allocator, then empty the tree.
+
+        Locks are dropped too, so only call this when no running request holds a matched prefix.
+        """
+        self.allocator.free(self.all_slot_ids())
+        self._reset_tree()
+
+    # ---- sizes --------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes (reclaimable by ``evict``, possibly after parents' children)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Tokens in nodes locked by running requests."""
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    # ---- lookup / insert ----------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Find the longest cached prefix of ``token_ids`` and refresh its recency.
+
+        A match ending inside an edge splits that edge so ``last_node`` ends exactly at the match
+        (the caller can then lock precisely the matched tokens).
+        """
+        if self.disable:
+            return MatchResult([], self.root)
+        slots: list[int] = []
+        node, _ = self._walk(_as_list(token_ids), slots)
+        return MatchResult(slots, node)
+
+    def insert(self, token_ids: Sequence[int], slot_ids: Sequence[int]) -> int:
+        """Cache ``token_ids`` with their KV ``slot_ids``; return how many were already cached.
+
+        The tree takes ownership of ``slot_ids[r:]`` where r is the return value. The caller keeps
+        ownership of ``slot_ids[:r]`` and must free those it did not get from the tree. With
+        ``disable=True`` nothing is taken and r == len(token_ids): the caller frees all its slots.
+        """
+        if len(token_ids) != len(slot_ids):
+            raise ValueError(f"{len(token_ids)} tokens but {len(slot_ids)} slots")
+        if self.disable:
+            return len(token_ids)
+        tokens = _as_list(token_ids)
+        node, matched = self._walk(tokens, None)
+        if matched < len(tokens):
+            leaf = TreeNode(next(self._ids), tokens[matched:], list(slot_ids[matched:]), node)
+            leaf.last_access = node.last_access
+            node.children[tokens[matched]] = leaf
+            self._evictable += len(leaf.key)
+        return matched
+
+    def _walk(self, tokens: list[int], slots: list[int] | None) -> tuple[TreeNode, int]:
+        """Descend along ``tokens`` splitting a partially matched edge; refresh recency.
+
+        Returns the deepest node reached and the number of tokens matched; appends the matched
+        slots to ``slots`` if given.
+        """
+        now = next(self._clock)
+        node = self.root
+        node.last_access = now
+        i, n = 0, len(tokens)
+        while i < n:
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            key = child.key
+            seg = tokens[i : i + len(key)]
+            k = len(key) if seg == key else _key_match_len(key, seg)
+            if k < len(key):
+                child = self._split(child, k)
+            child.last_access = now
+            if slots is not None:
+                slots.extend(child.value)
+            node = child
+            i += k
+            if k < len(key):
+                break
+        return node, i
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Split ``child`` after its first ``k`` tokens; return the new upper node.
+
+        The upper node inherits the lock count so lock/unlock paths stay consistent, and sizes do
+        not change (same tokens, same locks).
+        """
+        parent = child.parent
+        assert parent is not None and 0 < k < len(child.key)
+        upper = TreeNode(next(self._ids), child.key[:k], child.value[:k], parent)
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        child.key = child.key[k:]
+        child.value = child.value[k:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        parent.children[upper.key[0]] = upper
+        return upper
+
+    # ---- locking ------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (one count per caller)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one ``inc_lock_ref(node)``; raises if ``node`` is not locked."""
+        # Ancestors always hold at least the node's count, so checking the node itself suffices.
+        if node is not self.root and node.lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref on unlocked node {node!r}")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            assert node.parent is not None
+            node = node.parent
+
+    # ---- eviction -----------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` tokens (if possible) from LRU unlocked leaves.
+
+        Slots go back to the allocator. A parent left childless and unlocked becomes a candidate
+        in the same call. Returns the number of tokens freed. Cost is O(nodes) to collect leaves
+        plus O(evicted log leaves).
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            self.allocator.free(node.value)
+            freed += len(node.key)
+            self._evictable -= len(node.key)
+            del parent.children[node.key[0]]
+            node.parent = None
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def _evictable_leaves(self) -> list[TreeNode]:
+        leaves: list[TreeNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node.lock_ref == 0:
+                leaves.append(node)
+        return leaves
+
+    # ---- debugging / invariants ---------------------------------------------------------------
+
+    def all_slot_ids(self) -> list[int]:
+        """Every slot owned by the tree (for invariant checks and ``reset``)."""
+        out: list[int] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            out.extend(node.value)
+            stack.extend(node.children.values())
+        return out
+
+    def pretty_print(self) -> str:
+        """Indented dump of the tree: one line per node with its tokens and lock count."""
+        lines: list[str] = []
+        stack = [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            lines.append(f"{'  ' * depth}{node.key} lock={node.lock_ref} t={node.last_access}")
+            stack.extend((c, depth + 1) for c in node.children.values())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(total={self.total_size()}, evictable={self._evictable}, "
+            f"protected={self._protected}, disable={self.disable})"
+        )
+
+
+def _as_list(token_ids: Sequence[int]) -> list[int]:
+    # Keys are lists, so slice comparisons need a list (a tuple never equals a list).
+    return token_ids if isinstance(token_ids, list) else list(token_ids)

@@ -1,0 +1,48 @@
+"""Req: one generation request and everything the scheduler knows about it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.messages import SamplingParams
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping: slots of the first `cache_len` tokens belong to the trie (locked via
+    # `last_node`); the request owns the rest. `num_computed` tokens have KV.
+    cache_len: int = 0
+    num_computed: int = 0
+    last_node: Any = None
+    cached_tokens: int = -1  # prefix hit at first admission, reported in usage
+    finish_reason: str | None = None
+    to_abort: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    sent_len: int = 0  # output tokens already reported to the router
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV a prefill must provide: the prompt and, after retraction, outputs."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)
+
+    def check_finished(self, eos_ids: frozenset[int]) -> None:
+        """Set `finish_reason` after a new token: stop token, eos, or length."""
+        tok = self.output_ids[-1]
+        if tok in self.sampling.stop_token_ids or (not self.sampling.ignore_eos and tok in eos_ids):
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.sampling.max_new_tokens:
+            self.finish_reason = "length"

@@ -1,0 +1,317 @@
+"""Scheduler: the policy core, free of sockets so tests can drive it step by step.
+
+Each iteration: admit a prefill batch if anything waits and fits, else decode every
+running request. Results come back as sampled tokens; finished, aborted and retracted
+requests give their slots back (to the trie or the allocator) only after a release for
+the worker is queued, and every message to the worker carries the queued releases first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from common.messages import (
+    AbortReq,
+    DecodeBatch,
+    ExtendBatch,
+    GenerateReq,
+    ReleaseBatch,
+    ReleaseReq,
+    ReqError,
+    SchedulerStats,
+    StepResult,
+    TokenOut,
+    WorkerError,
+    WorkerReady,
+)
+from common.server_args import ServerArgs
+from scheduler.cache import KVCacheManager
+from scheduler.prefill import PrefillBatch, build_prefill
+from scheduler.request import Req
+
+logger = logging.getLogger("scheduler")
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, worker: WorkerReady):
+        self.args = args
+        self.context_len = args.context_length or worker.context_len
+        self.eos_ids = frozenset(worker.eos_token_ids)
+        self.kv = KVCacheManager(
+            worker.num_slots,
+            args.max_running_requests + 1,
+            args.disable_radix_cache,
+            debug=args.debug_invariants,
+        )
+        self.reqs: dict[str, Req] = {}
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.pending_release: list[ReleaseReq] = []
+        self.outputs: list[TokenOut | ReqError] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.step = 0
+        self.in_flight: PrefillBatch | list[Req] | None = None
+        self.retracted = 0
+        self.decode_steps = 0
+        self._decode_log = (time.monotonic(), 0)
+
+    # ------------------------------------------------------------ inputs
+
+    def on_request(self, msg: GenerateReq | AbortReq) -> None:
+        if isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+            return
+        error = self._reject_reason(msg)
+        if error is not None:
+            self.outputs.append(ReqError(msg.rid, error[1], code=error[0]))
+            return
+        req = Req(msg.rid, list(msg.input_ids), msg.sampling)
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def _reject_reason(self, msg: GenerateReq) -> tuple[str, str] | None:
+        n, max_new = len(msg.input_ids), msg.sampling.max_new_tokens
+        if msg.rid in self.reqs:
+            return "duplicate_request_id", f"request id {msg.rid!r} is already in use"
+        if n == 0:
+            return "invalid_request_error", "the prompt has no tokens"
+        try:
+            msg.sampling.validate()
+        except ValueError as exc:
+            return "invalid_request_error", str(exc)
+        if n + max_new > self.context_len:
+            return "context_length_exceeded", (
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context "
+                f"length of {self.context_len} tokens"
+            )
+        if n + max_new > self.kv.capacity:
+            return "kv_pool_too_small", (
+                f"prompt ({n} tokens) + max_new_tokens ({max_new}) can never fit in the KV "
+                f"pool of {self.kv.capacity} tokens (--max-total-tokens)"
+            )
+        return None
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._finish(req, "abort")
+        else:
+            req.to_abort = True  # running or in flight: handled when the step ends
+            if self.in_flight is None:
+                self._apply_aborts()
+
+    # ------------------------------------------------------------ batches
+
+    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
+        """The next message for the worker, or None when idle."""
+        prefill = None
+        if self.waiting or self.chunked:
+            prefill = build_prefill(
+                self.waiting,
+                self.chunked,
+                self.running,
+                self.kv,
+                policy=self.args.schedule_policy,
+                chunk_size=self.args.chunked_prefill_size,
+                max_running=self.args.max_running_requests,
+                new_token_ratio=self.new_token_ratio,
+            )
+        if prefill is not None:
+            return self._extend_batch(prefill)
+        if self.running:
+            return self._decode_batch()
+        if self.pending_release:
+            self.step += 1
+            return ReleaseBatch(self.step, self._take_release())
+        return None
+
+    def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
+        for req in batch.reqs:
+            if req in self.waiting:
+                self.waiting.remove(req)
+        last = batch.extend[-1]
+        self.chunked = None if last.last_chunk else batch.reqs[-1]
+        self.in_flight = batch
+        self.step += 1
+        logger.info(
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, "
+            "token usage: %.2f, #running-req: %d, #queue-req: %d",
+            len(batch.reqs),
+            batch.new_tokens,
+            batch.cached_tokens,
+            self.kv.token_usage(),
+            len(self.running),
+            len(self.waiting),
+        )
+        return ExtendBatch(self.step, batch.extend, self._take_release())
+
+    def _decode_batch(self) -> DecodeBatch:
+        while self.kv.budget() < len(self.running) and len(self.running) > 1:
+            self._retract_one()
+        locs = self.kv.alloc(len(self.running))
+        if locs is None:
+            raise RuntimeError("no KV slot for a lone running request")  # rejected at entry
+        for req, loc in zip(self.running, locs):
+            self.kv.append_decode_slot(req, loc)
+        self.in_flight = list(self.running)
+        self.step += 1
+        self.new_token_ratio = max(
+            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
+        )
+        return DecodeBatch(self.step, [r.rid for r in self.running], locs, self._take_release())
+
+    def _retract_one(self) -> None:
+        """Send the request with the least progress back to the queue; its KV stays cached."""
+        req = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+        self.running.remove(req)
+        self.pending_release.append(ReleaseReq(req.rid, flush=True))
+        self.kv.release(req, keep=True)
+        self.waiting.insert(0, req)
+        self.retracted += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        logger.info(
+            "Retract request %s (%d generated), #running-req: %d",
+            req.rid,
+            len(req.output_ids),
+            len(self.running),
+        )
+
+    def _take_release(self) -> list[ReleaseReq]:
+        release, self.pending_release = self.pending_release, []
+        return release
+
+    # ------------------------------------------------------------ results
+
+    def on_result(self, result: StepResult | WorkerError) -> None:
+        batch, self.in_flight = self.in_flight, None
+        if isinstance(result, WorkerError):
+            self._fail_step(batch, result.message)
+        elif isinstance(batch, PrefillBatch):
+            self._after_prefill(batch, result)
+        else:
+            self._after_decode(batch, result)
+        self._apply_aborts()
+        if self.args.debug_invariants:
+            self.check_invariants()
+
+    def _after_prefill(self, batch: PrefillBatch, result: StepResult) -> None:
+        tokens = dict(zip(result.rids, result.next_token_ids))
+        for req, ext in zip(batch.reqs, batch.extend):
+            self.kv.cache_unfinished(req)
+            if ext.last_chunk:
+                self._append_token(req, tokens[req.rid], joined=True)
+
+    def _after_decode(self, batch: list[Req], result: StepResult) -> None:
+        for req, tok in zip(batch, result.next_token_ids):
+            self._append_token(req, tok, joined=False)
+        self.decode_steps += 1
+        if self.decode_steps % self.args.decode_log_interval == 0:
+            self._log_decode()
+
+    def _append_token(self, req: Req, token: int, joined: bool) -> None:
+        req.output_ids.append(token)
+        req.check_finished(self.eos_ids)
+        if req.finish_reason is None:
+            if joined:
+                self.running.append(req)
+            self._emit(req)
+            return
+        if not joined:
+            self.running.remove(req)
+        self.pending_release.append(ReleaseReq(req.rid, flush=True))
+        self.kv.release(req, keep=True)
+        self._finish(req, req.finish_reason)
+
+    def _apply_aborts(self) -> None:
+        for req in [r for r in self.running + [self.chunked] if r is not None and r.to_abort]:
+            if req is self.chunked:
+                self.chunked = None
+            else:
+                self.running.remove(req)
+            self.pending_release.append(ReleaseReq(req.rid, flush=False))
+            self.kv.release(req, keep=False)
+            self._finish(req, "abort")
+
+    def _fail_step(self, batch: PrefillBatch | list[Req] | None, message: str) -> None:
+        reqs = batch.reqs if isinstance(batch, PrefillBatch) else (batch or [])
+        logger.error("worker failed a step of %d requests: %s", len(reqs), message)
+        for req in reqs:
+            if req is self.chunked:
+                self.chunked = None
+            if req in self.running:
+                self.running.remove(req)
+            if req.rid in self.kv.req_to_token:
+                self.pending_release.append(ReleaseReq(req.rid, flush=False))
+                self.kv.release(req, keep=False)
+            self.reqs.pop(req.rid, None)
+            self.outputs.append(ReqError(req.rid, message, code="internal_error", status=500))
+
+    def _finish(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        self.reqs.pop(req.rid, None)
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        self.outputs.append(
+            TokenOut(
+                rid=req.rid,
+                token_ids=req.output_ids[req.sent_len :],
+                finish_reason=req.finish_reason,
+                prompt_tokens=len(req.input_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=max(req.cached_tokens, 0),
+            )
+        )
+        req.sent_len = len(req.output_ids)
+
+    def take_outputs(self) -> list[TokenOut | ReqError]:
+        out, self.outputs = self.outputs, []
+        return out
+
+    # ------------------------------------------------------------ observability
+
+    def _log_decode(self) -> None:
+        now = time.monotonic()
+        then, steps_then = self._decode_log
+        tokens = sum(len(r.output_ids) for r in self.running)
+        throughput = len(self.running) * (self.decode_steps - steps_then) / max(now - then, 1e-9)
+        self._decode_log = (now, self.decode_steps)
+        logger.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            len(self.running),
+            tokens + sum(len(r.input_ids) for r in self.running),
+            self.kv.token_usage(),
+            throughput,
+            len(self.waiting),
+        )
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_queued=len(self.waiting),
+            token_usage=self.kv.token_usage(),
+            capacity=self.kv.capacity,
+            evicted_tokens=self.kv.evicted_tokens,
+            retracted_requests=self.retracted,
+        )
+
+    def holders(self) -> list[Req]:
+        """Requests that hold slots in ReqToTokenPool."""
+        return self.running + ([self.chunked] if self.chunked else [])
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants(self.holders())
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self.pending_release)

@@ -1,0 +1,167 @@
+"""Per-layer caches that plug the KV pool into mlx-lm models.
+
+mlx-lm attention layers call `cache.offset` (RoPE position), `cache.update_and_fetch(k, v)`
+and the model calls `cache.make_mask(N, ...)`. Two batch-level plans implement that
+protocol for every layer at once:
+
+- `ExtendPlan` (prefill): row b has `prefix_len[b]` tokens already in the pool and
+  `new_len[b]` tokens to compute, right-padded to L. Prefix KV is gathered from the pool
+  by slot id inside the graph; new KV is scattered into the pool at `out_cache_loc`
+  (padding positions write to slot 0).
+- `DecodePlan` (decode): one left-padded (B, H, cap, D) buffer per layer whose rows are the
+  requests' contiguous KV. Each step writes one column by slice assignment; capacity
+  doubles when full. Columns written since the last flush are only in the buffer until
+  `flush` scatters them into the pool.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from worker_mlx.kv_pool import MlxKVPool
+
+
+class ExtendPlan:
+    def __init__(
+        self,
+        pool: MlxKVPool,
+        prefix_slots: list[list[int]],
+        new_lens: list[int],
+        out_locs: list[list[int]],
+    ):
+        self.pool = pool
+        B = len(new_lens)
+        self.L = L = max(new_lens)
+        self.P = P = max(len(p) for p in prefix_slots)
+        self.new_lens = new_lens
+        prefix_lens = mx.array([len(p) for p in prefix_slots], dtype=mx.int32)
+        self.offset = prefix_lens
+        self.prefix_idx = (
+            mx.array([p + [0] * (P - len(p)) for p in prefix_slots], dtype=mx.int32) if P else None
+        )
+        self.write_idx = mx.array(
+            [loc + [0] * (L - len(loc)) for loc in out_locs], dtype=mx.int32
+        ).reshape(B * L)
+        cols = mx.arange(P + L)
+        prefix_ok = cols[None, :] < prefix_lens[:, None]  # (B, P+L)
+        causal = (cols[None, :] >= P) & (cols[None, :] - P <= mx.arange(L)[:, None])  # (L, P+L)
+        self.mask = (prefix_ok[:, None, :] | causal[None, :, :])[:, None, :, :]
+
+    def layer_caches(self) -> list[ExtendLayerCache]:
+        return [ExtendLayerCache(self, i) for i in range(self.pool.layout.num_layers)]
+
+
+class ExtendLayerCache:
+    def __init__(self, plan: ExtendPlan, layer: int):
+        self.plan = plan
+        self.layer = layer
+        self.offset = plan.offset
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported")
+        return self.plan.mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        plan, pool = self.plan, self.plan.pool
+        B, H, L, D = keys.shape
+        # Write first, then gather from the written array: the pool buffer then has a
+        # single user and MLX updates it in place instead of copying the whole pool.
+        flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
+        flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
+        pool.write(self.layer, plan.write_idx, flat_k, flat_v)
+        if plan.prefix_idx is None:
+            return keys, values
+        pk, pv = pool.gather(self.layer, plan.prefix_idx)  # (B, P, H, D)
+        keys = mx.concatenate([pk.transpose(0, 2, 1, 3), keys], axis=2)
+        values = mx.concatenate([pv.transpose(0, 2, 1, 3), values], axis=2)
+        return keys, values
+
+
+class DecodePlan:
+    """The running requests' KV as left-padded rows of one buffer per layer."""
+
+    GROW_STEP = 256
+
+    def __init__(self, pool: MlxKVPool, rids: list[str], slots: list[list[int]]):
+        self.pool = pool
+        self.rids = rids
+        lens = [len(s) for s in slots]
+        T = max(lens)
+        cap = _round_up(T + 1, self.GROW_STEP)
+        self.left_pad = [T - n for n in lens]
+        self.idx = T  # next column to write
+        self.flushed = T  # columns before this are already in the pool
+        idx = mx.array([[0] * (T - len(s)) + s + [0] * (cap - T) for s in slots], dtype=mx.int32)
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        for layer in range(pool.layout.num_layers):
+            k, v = pool.gather(layer, idx)  # (B, cap, H, D)
+            self.keys.append(mx.contiguous(k.transpose(0, 2, 1, 3)))
+            self.values.append(mx.contiguous(v.transpose(0, 2, 1, 3)))
+        self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
+        self.offset = mx.array(lens, dtype=mx.int32)
+        self.mask = None
+
+    def begin_step(self) -> None:
+        if self.idx >= self.keys[0].shape[2]:
+            self._grow()
+        self.offset = mx.array([self.idx - p for p in self.left_pad], dtype=mx.int32)
+        cols = mx.arange(self.idx + 1)
+        self.mask = (cols[None, :] >= self._left_pad_arr[:, None])[:, None, None, :]
+
+    def end_step(self) -> None:
+        self.idx += 1
+
+    def _grow(self) -> None:
+        """Double the capacity; the only concatenation, amortised over many steps."""
+        for i in range(len(self.keys)):
+            self.keys[i] = mx.concatenate([self.keys[i], mx.zeros_like(self.keys[i])], axis=2)
+            self.values[i] = mx.concatenate([self.values[i], mx.zeros_like(self.values[i])], axis=2)
+
+    def pending(self) -> int:
+        """Decode tokens per row that are only in the buffer, not yet in the pool."""
+        return self.idx - self.flushed
+
+    def flush(self, rows: list[int], slots: list[list[int]]) -> None:
+        """Scatter the unflushed columns of `rows` into the pool at `slots` (row-aligned)."""
+        n = self.pending()
+        if n and rows:
+            row_idx = mx.array(rows, dtype=mx.int32)
+            flat_slots = mx.array([s for row in slots for s in row], dtype=mx.int32)
+            for layer in range(len(self.keys)):
+                k = self.keys[layer][row_idx, :, self.flushed : self.idx, :]
+                v = self.values[layer][row_idx, :, self.flushed : self.idx, :]
+                H, D = k.shape[1], k.shape[3]
+                k = k.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, D)
+                v = v.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, v.shape[3])
+                self.pool.write(layer, flat_slots, k, v)
+        self.flushed = self.idx
+
+    def layer_caches(self) -> list[DecodeLayerCache]:
+        return [DecodeLayerCache(self, i) for i in range(len(self.keys))]
+
+
+class DecodeLayerCache:
+    def __init__(self, plan: DecodePlan, layer: int):
+        self.plan = plan
+        self.layer = layer
+
+    @property
+    def offset(self) -> mx.array:
+        return self.plan.offset
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported")
+        return self.plan.mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        plan, i = self.plan, self.plan.idx
+        plan.keys[self.layer][:, :, i : i + 1, :] = keys
+        plan.values[self.layer][:, :, i : i + 1, :] = values
+        return plan.keys[self.layer][:, :, : i + 1, :], plan.values[self.layer][:, :, : i + 1, :]
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step

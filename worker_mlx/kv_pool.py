@@ -1,0 +1,83 @@
+"""MlxKVPool: the flat per-layer K/V store that slot ids from the scheduler index into."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+
+# Past a million cached tokens a single machine gains little and the zero-filled pool
+# costs real memory up front; --max-total-tokens lifts the cap.
+MAX_AUTO_SLOTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's KV looks like, probed from the model itself."""
+
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * self.dtype.size
+
+
+class MlxKVPool:
+    """Per layer, K and V of shape (num_slots + 1, n_kv_heads, head_dim); row 0 is padding.
+
+    Writes are scatters into the arrays MLX donates in place, so a write costs the tokens
+    written, not the pool size. Readers gather by slot id inside their compute graph.
+    """
+
+    def __init__(self, layout: KVLayout, num_slots: int):
+        self.layout = layout
+        self.num_slots = num_slots
+        shape = (num_slots + 1, layout.n_kv_heads, layout.head_dim)
+        self.k = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        self.v = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        mx.eval(self.k, self.v)
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store (n, H, D) keys/values at `slots` (n,)."""
+        self.k[layer][slots] = keys
+        self.v[layer][slots] = values
+
+    def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V of `slots` (any shape S) as arrays of shape S + (H, D)."""
+        return self.k[layer][slots], self.v[layer][slots]
+
+    def arrays(self) -> list[mx.array]:
+        return self.k + self.v
+
+
+def available_memory_bytes() -> int:
+    """Memory a new pool may take: Metal's working set on macOS, MemAvailable on Linux."""
+    if sys.platform == "darwin":
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        return int(info["max_recommended_working_set_size"]) - mx.get_active_memory()
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def pool_size(layout: KVLayout, max_total_tokens: int | None, mem_fraction: float) -> int:
+    """Slots for the pool: the flag when given, else free memory × fraction ÷ bytes per slot."""
+    if max_total_tokens is not None:
+        return max_total_tokens
+    budget = int(available_memory_bytes() * mem_fraction)
+    slots = budget // layout.bytes_per_slot
+    if slots > MAX_AUTO_SLOTS:
+        logger.info("auto-sized pool capped at %d tokens (pass --max-total-tokens)", MAX_AUTO_SLOTS)
+        slots = MAX_AUTO_SLOTS
+    if slots < 16:
+        raise RuntimeError(f"not enough memory for a KV pool: {budget} bytes budgeted")
+    return slots

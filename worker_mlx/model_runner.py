@@ -1,0 +1,187 @@
+"""ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
+
+It owns the KV pool and the decode buffer, and keeps for each request between its last
+prefill chunk and its release the slots that hold its KV (the scheduler's ReqToTokenPool
+says the same; descriptors are checked against the pool bounds, not trusted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
+from worker_mlx.batch_cache import DecodePlan, ExtendPlan
+from worker_mlx.kv_pool import KVLayout, MlxKVPool
+from worker_mlx.sampler import KeySource, sample
+
+
+@dataclass
+class ReqState:
+    rid: str
+    slots: list[int]
+    sampling: SamplingParams
+    last_token: int
+    key: mx.array | None
+
+
+@dataclass
+class StepOutput:
+    rids: list[str]
+    next_token_ids: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0):
+        self.model = model
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.keys = KeySource(seed)
+        self.reqs: dict[str, ReqState] = {}
+        self.decode_plan: DecodePlan | None = None
+
+    # ------------------------------------------------------------ extend
+
+    def extend(self, batch: ExtendBatch) -> StepOutput:
+        self.release(batch.release)
+        for r in batch.reqs:
+            self._check_extend(r)
+        self._flush()
+        reqs = batch.reqs
+        plan = ExtendPlan(
+            self.pool,
+            [r.prefix_slot_ids for r in reqs],
+            [len(r.input_ids) for r in reqs],
+            [r.out_cache_loc for r in reqs],
+        )
+        tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
+        logits = self.model(tokens, cache=plan.layer_caches())
+        sampled = [i for i, r in enumerate(reqs) if r.last_chunk]
+        states = [self._new_state(reqs[i]) for i in sampled]
+        next_ids: list[int] = []
+        if sampled:
+            rows = mx.array(sampled, dtype=mx.int32)
+            cols = mx.array([len(reqs[i].input_ids) - 1 for i in sampled], dtype=mx.int32)
+            next_tok = self._sample(logits[rows, cols], states)
+            mx.eval(next_tok, self.pool.arrays())
+            next_ids = next_tok.tolist()
+        else:
+            mx.eval(self.pool.arrays())
+        for state, tok in zip(states, next_ids):
+            state.last_token = tok
+            self.reqs[state.rid] = state
+        return StepOutput([s.rid for s in states], next_ids)
+
+    def _check_extend(self, r: ExtendReq) -> None:
+        if not r.input_ids:
+            raise ValueError(f"{r.rid}: extend with no input tokens")
+        if len(r.out_cache_loc) != len(r.input_ids):
+            raise ValueError(f"{r.rid}: {len(r.input_ids)} tokens but {len(r.out_cache_loc)} slots")
+        if r.rid in self.reqs:
+            raise ValueError(f"{r.rid}: extend for a request that is already decoding")
+        self._check_slots(r.rid, r.prefix_slot_ids)
+        self._check_slots(r.rid, r.out_cache_loc)
+        if min(r.input_ids) < 0 or max(r.input_ids) >= self.vocab_size:
+            raise ValueError(f"{r.rid}: token id outside the vocabulary [0, {self.vocab_size})")
+        r.sampling.validate(self.vocab_size)
+
+    def _check_slots(self, rid: str, slots: list[int]) -> None:
+        if slots and (min(slots) < 1 or max(slots) > self.pool.num_slots):
+            raise ValueError(f"{rid}: slot id outside the pool [1, {self.pool.num_slots}]")
+
+    def _new_state(self, r: ExtendReq) -> ReqState:
+        key = None if r.sampling.greedy else self.keys.request_key(r.sampling.seed)
+        return ReqState(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.sampling, -1, key)
+
+    # ------------------------------------------------------------ decode
+
+    def decode(self, batch: DecodeBatch) -> StepOutput:
+        self.release(batch.release)
+        if len(batch.out_cache_loc) != len(batch.rids):
+            raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
+        unknown = [rid for rid in batch.rids if rid not in self.reqs]
+        if unknown:
+            raise ValueError(f"decode for unknown requests {unknown[:4]}")
+        self._check_slots("decode", batch.out_cache_loc)
+        states = [self.reqs[rid] for rid in batch.rids]
+        plan = self.decode_plan
+        if plan is None or plan.rids != batch.rids:
+            self._flush()
+            plan = self.decode_plan = DecodePlan(self.pool, batch.rids, [s.slots for s in states])
+        plan.begin_step()
+        tokens = mx.array([[s.last_token] for s in states])
+        logits = self.model(tokens, cache=plan.layer_caches())
+        next_tok = self._sample(logits[:, -1, :], states)
+        plan.end_step()
+        mx.eval(next_tok, plan.keys, plan.values)
+        next_ids = next_tok.tolist()
+        for s, loc, tok in zip(states, batch.out_cache_loc, next_ids):
+            s.slots.append(loc)
+            s.last_token = tok
+        return StepOutput(list(batch.rids), next_ids)
+
+    # ------------------------------------------------------------ release and flush
+
+    def release(self, release: list[ReleaseReq]) -> None:
+        """Flush (finished) or drop (aborted) requests before the scheduler reuses their slots."""
+        if not release:
+            return
+        dropped = {r.rid for r in release if not r.flush}
+        self._flush(skip=dropped)
+        self.decode_plan = None
+        for r in release:
+            self.reqs.pop(r.rid, None)
+
+    def _flush(self, skip: set[str] = frozenset()) -> None:
+        """Write every decode token that is only in the decode buffer into the pool."""
+        plan = self.decode_plan
+        if plan is None or plan.pending() == 0:
+            return
+        n = plan.pending()
+        rows = [i for i, rid in enumerate(plan.rids) if rid not in skip]
+        plan.flush(rows, [self.reqs[plan.rids[i]].slots[-n:] for i in rows])
+        mx.eval(self.pool.arrays())
+
+    def _sample(self, logits: mx.array, states: list[ReqState]) -> mx.array:
+        keys = []
+        for s in states:
+            use = None
+            if s.key is not None:
+                s.key, use = KeySource.next(s.key)
+            keys.append(use)
+        return sample(logits, [s.sampling for s in states], keys)
+
+
+class _ProbeCache:
+    """Records the K/V shape one layer produces, so the pool fits any standard attention."""
+
+    offset = 0
+
+    def __init__(self):
+        self.shape: tuple[int, ...] | None = None
+        self.dtype: mx.Dtype | None = None
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[-1] != values.shape[-1]:
+            raise ValueError("keys and values with different head dims are not supported")
+        self.shape, self.dtype = keys.shape, keys.dtype
+        return keys, values
+
+
+def probe_kv_layout(model: nn.Module) -> KVLayout:
+    """Run one token through the model with recording caches; raise if it is not standard."""
+    layers = model.layers
+    probes = [_ProbeCache() for _ in layers]
+    mx.eval(model(mx.array([[0]]), cache=probes))
+    if any(p.shape is None for p in probes):
+        raise ValueError("model has layers without a standard KV cache")
+    shapes = {(p.shape[1], p.shape[3], p.dtype) for p in probes}
+    if len(shapes) != 1:
+        raise ValueError(f"layers disagree on KV shape: {shapes}")
+    (n_kv_heads, head_dim, dtype) = shapes.pop()
+    return KVLayout(len(layers), n_kv_heads, head_dim, dtype)

@@ -1,0 +1,86 @@
+"""The MLX worker process: loads the model, sizes the KV pool, and executes descriptors.
+
+One thread owns MLX. The loop receives a descriptor, runs it, and answers with the
+sampled tokens; a bad frame or a failed step is answered with a WorkerError and the loop
+goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import traceback
+
+from common.blas import preload_openblas
+from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
+from common.log import setup_logging
+from common.messages import (
+    WORKER_INBOX,
+    DecodeBatch,
+    ExtendBatch,
+    ReleaseBatch,
+    StepResult,
+    WorkerError,
+)
+from common.protocol import ProtocolError, decode, encode
+from common.server_args import ServerArgs
+
+logger = logging.getLogger("worker")
+
+
+def run_worker(args: ServerArgs, endpoints: Endpoints) -> None:
+    """Process entry point."""
+    setup_logging("worker", args.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    blas = preload_openblas()
+    import zmq
+
+    from worker_mlx.loader import load_runner
+
+    runner, ready = load_runner(args, blas)
+    ctx = zmq.Context()
+    inbox = bind_pull(ctx, endpoints.worker_in)
+    outbox = connect_push(ctx, endpoints.scheduler_from_worker)
+    outbox.send(encode(ready))
+    serve(runner, inbox, outbox)
+
+
+def serve(runner, inbox, outbox) -> None:
+    import zmq
+
+    watch = ParentWatch()
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    while True:
+        if not poller.poll(1000):
+            if not watch.parent_alive():
+                logger.info("parent process gone; exiting")
+                return
+            continue
+        frame = inbox.recv()
+        try:
+            msg = decode(frame, WORKER_INBOX)
+        except ProtocolError as exc:
+            logger.warning("bad frame from scheduler: %s", exc)
+            outbox.send(encode(WorkerError(step=-1, message=f"bad frame: {exc}")))
+            continue
+        reply = execute(runner, msg)
+        if reply is not None:
+            outbox.send(encode(reply))
+
+
+def execute(runner, msg) -> StepResult | WorkerError | None:
+    try:
+        if isinstance(msg, ReleaseBatch):
+            runner.release(msg.release)
+            return None
+        out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
+    except Exception as exc:
+        kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
+        logger.error("%s step %d failed: %s", kind, msg.step, exc)
+        logger.debug("%s", traceback.format_exc())
+        return WorkerError(step=msg.step, message=f"{kind} failed: {exc}")
+    assert isinstance(msg, (ExtendBatch, DecodeBatch))
+    return StepResult(step=msg.step, rids=out.rids, next_token_ids=out.next_token_ids)
