@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny models built offline, mlx-lm reference generation, real servers."""
+
+from __future__ import annotations
+
+import os
+
+from common.blas import preload_openblas
+
+preload_openblas()  # before anything imports mlx
+
+import functools  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.server import ServerProcess  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    return os.environ.get("RADIX_MLX_TEST_CACHE") or str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_cache) -> str:
+    """The default tiny Qwen3 model directory."""
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(model_cache, preset="tiny", arch="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_cache) -> str:
+    """A tiny Llama with grouped-query attention (4 heads, 2 KV heads)."""
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(model_cache, preset="tiny", arch="llama"))
+
+
+@functools.cache
+def load_model(path: str):
+    from mlx_lm import load
+
+    return load(path)
+
+
+def mlx_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation: the reference every parity test compares with."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, _ = load_model(path)
+    out = []
+    for tok, _ in generate_step(
+        mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)
+    ):
+        out.append(int(tok))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model, tmp_path_factory):
+    """A real `radix-mlx serve` on the tiny model, shared by a test module."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(tiny_model, log, extra=["--max-total-tokens", "8192"])
+    server.start()
+    yield server
+    server.stop()

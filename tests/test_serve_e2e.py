@@ -1,0 +1,219 @@
+"""End to end: a real `radix-mlx serve` against mlx-lm's own greedy generation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import zmq
+
+from common.messages import ClientGenerate, SamplingParams
+from common.protocol import encode
+from router.client import Client, RadixMLXError
+from tests.conftest import load_model, mlx_greedy
+from tests.server import RADIX_MLX, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 60))] for _ in range(n)]
+
+
+def _complete(server: ServerProcess, prompt, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_token_id_prompts_match_mlx_lm(tiny_server, tiny_model):
+    for prompt in _prompts(4):
+        got = _complete(tiny_server, prompt, 12)["choices"][0]["token_ids"]
+        assert got == mlx_greedy(tiny_model, prompt, 12)
+
+
+def test_concurrent_requests_match_mlx_lm(tiny_server, tiny_model):
+    prompts = _prompts(6, seed=1)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda p: _complete(tiny_server, p, 10), prompts))
+    for prompt, res in zip(prompts, results):
+        assert res["choices"][0]["token_ids"] == mlx_greedy(tiny_model, prompt, 10)
+
+
+def test_text_prompt_and_repeated_prompt_hits_cache(tiny_server, tiny_model):
+    _, tokenizer = load_model(tiny_model)
+    text = "The quick brown fox jumps over the lazy dog, again and again."
+    ids = tokenizer.encode(text)
+    first = _complete(tiny_server, text, 8)
+    second = _complete(tiny_server, text, 8)
+    expected = mlx_greedy(tiny_model, ids, 8)
+    assert first["choices"][0]["token_ids"] == expected
+    assert second["choices"][0]["token_ids"] == expected
+    assert second["usage"]["prompt_tokens"] == len(ids)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+    assert f"#new-token: 1, #cached-token: {len(ids) - 1}" in tiny_server.log()
+
+
+def test_sdk_generate_matches_mlx_lm(tiny_server, tiny_model):
+    prompt = _prompts(1, seed=2)[0]
+    with Client(tiny_server.zmq_address, timeout=60) as client:
+        res = client.generate(input_ids=prompt, max_new_tokens=9, temperature=0, ignore_eos=True)
+        streamed = [
+            t
+            for chunk in client.stream(
+                input_ids=prompt, max_new_tokens=9, temperature=0, ignore_eos=True
+            )
+            for t in chunk.token_ids
+        ]
+    expected = mlx_greedy(tiny_model, prompt, 9)
+    assert res.output_ids == expected
+    assert streamed == expected
+    assert res.finish_reason == "length"
+    assert res.usage.prompt_tokens == len(prompt)
+    assert res.usage.completion_tokens == 9
+
+
+def test_bad_http_bodies_get_openai_errors(tiny_server):
+    url = tiny_server.url + "/v1/completions"
+    cases = [
+        (b"{not json", "malformed JSON"),
+        (b'{"prompt": "hi", "max_tokens": "many"}', "max_tokens"),
+        (b'{"prompt": "hi", "temperature": -1}', "temperature"),
+        (b'{"prompt": [1, 2, 99999]}', "token ids"),
+        (b'{"prompt": "hi", "model": "no-such-model"}', "does not exist"),
+        (b'{"prompt": "hi", "max_tokens": 40000}', "context length"),
+    ]
+    for body, needle in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"], (body, err)
+        assert {"message", "type", "code"} <= set(err)
+    assert _complete(tiny_server, [5, 6, 7], 2)["choices"][0]["finish_reason"] == "length"
+
+
+def test_garbage_zmq_frames_get_errors_and_server_keeps_serving(tiny_server, tiny_model):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tiny_server.zmq_address)
+    try:
+        for frame in [b"\xc1garbage", encode(SamplingParams()), b"\x93\x01\x02\x03"]:
+            sock.send(frame)
+            assert sock.poll(10_000), "no answer to a bad frame"
+            reply = sock.recv()
+            assert b"ClientError" in reply and b"bad frame" in reply
+        bad = ClientGenerate(rid="x", sampling=SamplingParams(max_new_tokens=2), text=None)
+        sock.send(encode(bad))
+        assert sock.poll(10_000)
+        assert b"exactly one of" in sock.recv()
+    finally:
+        ctx.destroy(linger=0)
+    prompt = [9, 8, 7, 6]
+    assert _complete(tiny_server, prompt, 4)["choices"][0]["token_ids"] == mlx_greedy(
+        tiny_model, prompt, 4
+    )
+
+
+def test_server_side_error_reaches_sdk_as_exception(tiny_server):
+    with Client(tiny_server.zmq_address, timeout=30) as client:
+        with pytest.raises(RadixMLXError, match="context length"):
+            client.generate(input_ids=[1, 2, 3], max_new_tokens=10**6)
+
+
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _runtime_dirs() -> set[str]:
+    return {p for p in os.listdir("/tmp") if p.startswith("radix-mlx-")}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_leaves_no_child_and_no_socket(tiny_model, tmp_path, sig):
+    before = _runtime_dirs()
+    server = ServerProcess(tiny_model, tmp_path / "log", extra=["--max-total-tokens", "512"])
+    server.start()
+    ours = _runtime_dirs() - before
+    assert len(ours) == 1
+    children = server.children()
+    assert len(children) >= 2
+    started = time.monotonic()
+    server.stop(sig)
+    assert time.monotonic() - started < 10
+    assert server.proc.returncode == 0, server.log()
+    deadline = time.monotonic() + 5
+    while _pids_alive(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pids_alive(children) == []
+    assert not ours & _runtime_dirs()
+
+
+def test_killed_worker_makes_health_503_and_server_exit_nonzero(tiny_model, tmp_path):
+    server = ServerProcess(tiny_model, tmp_path / "log", extra=["--max-total-tokens", "512"])
+    server.start()
+    worker = _child_named(server, "worker")
+    os.kill(worker, signal.SIGKILL)
+    saw_503 = False
+    deadline = time.monotonic() + 15
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            r = httpx.get(server.url + "/health", timeout=1)
+            if r.status_code == 503:
+                saw_503 = True
+                assert "worker" in r.text
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    server.proc.wait(15)
+    assert saw_503
+    assert server.proc.returncode not in (0, None)
+    assert "worker process exited with status -9" in server.log()
+    server.stop()
+
+
+def _child_named(server: ServerProcess, name: str) -> int:
+    """Children are spawned in order worker, scheduler (their ps names are all python)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for pid in server.children():
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            if b"spawn_main" in cmd and _is(name, pid):
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no {name} child")
+
+
+def _is(name: str, pid: int) -> bool:
+    """The worker is the child that mapped libmlx into memory."""
+    maps = open(f"/proc/{pid}/maps").read()
+    return ("libmlx" in maps) == (name == "worker")
+
+
+def test_missing_model_path_fails_with_one_clear_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    out = subprocess.run(
+        [RADIX_MLX, "serve", "--model-path", str(missing), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if "model" in line.lower()]
+    assert any(f"--model-path {missing}: no such model directory" in line for line in lines)
