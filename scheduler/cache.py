@@ -1,7 +1,8 @@
 """KVCacheManager: the request lifecycle over the trie, the slot allocator and ReqToTokenPool.
 
-Ownership rule: a request's slots for its first `cache_len` tokens belong to the trie and
-are locked through `req.last_node`; the request owns the rest. Every slot is therefore
+Ownership rule: the trie holds a request's first `cache_len` tokens, locked through
+`req.last_node`; the request owns its slots after those, plus `dup_slots` (its own copies
+of tokens the trie got from someone else first). Every slot is therefore
 free, in the trie (evictable or locked), or owned by exactly one running request —
 `check_invariants` verifies that.
 """
@@ -71,15 +72,19 @@ class KVCacheManager:
         return prefix, locs
 
     def cache_unfinished(self, req: Req) -> None:
-        """Insert `req`'s computed tokens into the trie so waiting requests can share them."""
+        """Insert `req`'s computed tokens into the trie so waiting requests can share them.
+
+        Where the trie already held some of these tokens (computed meanwhile by another
+        request), the request keeps its own duplicate slots until it is released: the worker
+        still reads them, so handing them to someone else now would corrupt this request.
+        """
         if self.tree.disable:
             return
         slots = self.req_to_token.get(req.rid)
         tokens = req.fill_ids[: req.num_computed]
         done = self.tree.insert(tokens, slots[: req.num_computed])
-        self.allocator.free(slots[req.cache_len : done])
+        req.dup_slots += slots[req.cache_len : done]
         m = self.tree.match_prefix(tokens)
-        self.req_to_token.replace_prefix(req.rid, m.slot_ids)
         self.tree.inc_lock_ref(m.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
@@ -94,6 +99,8 @@ class KVCacheManager:
         The caller must have queued the matching worker release (flush or drop) first.
         """
         slots = self.req_to_token.free(req.rid)
+        self.allocator.free(req.dup_slots)
+        req.dup_slots = []
         if keep:
             done = self.tree.insert(req.fill_ids[: len(slots)], slots)
             self.allocator.free(slots[req.cache_len : done])
@@ -104,7 +111,9 @@ class KVCacheManager:
 
     def check_invariants(self, holders: list[Req]) -> None:
         """free + trie + owned by `holders` == capacity, and no slot has two owners."""
-        own = [s for r in holders for s in self.req_to_token.get(r.rid)[r.cache_len :]]
+        own = [
+            s for r in holders for s in self.req_to_token.get(r.rid)[r.cache_len :] + r.dup_slots
+        ]
         free = self.allocator.free_slots()
         trie = self.tree.all_slot_ids()
         everything = list(free) + trie + own

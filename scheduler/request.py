@@ -20,6 +20,7 @@ class Req:
     cache_len: int = 0
     num_computed: int = 0
     last_node: Any = None
+    dup_slots: list[int] = field(default_factory=list)
     cached_tokens: int = -1  # prefix hit at first admission, reported in usage
     finish_reason: str | None = None
     to_abort: bool = False

@@ -1,0 +1,598 @@
+"""ModelRunner against mlx-lm's own greedy generation, driven through the slot contract.
+
+A small in-test slot allocator plays the scheduler: it hands out pool slots (1..N, slot 0
+is padding) for extend and decode descriptors and frees them on release, most recently
+freed first so that slot reuse happens as soon as it can. Every generated sequence is
+compared with `mlx_greedy` (mlx-lm with its own KV cache), and where the pool itself is
+the point, the pool rows are compared with the KV mlx-lm computes for the same tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
+from tests.conftest import load_model, mlx_greedy
+
+N_SLOTS = 1024
+DECODE_STEPS = 12
+
+
+def greedy(n: int = DECODE_STEPS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n)
+
+
+def seeded(seed: int | None, n: int = 10) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_new_tokens=n)
+
+
+@functools.cache
+def _reference(path: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return tuple(mlx_greedy(path, list(prompt), n))
+
+
+def reference(path: str, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's greedy continuation of `prompt` (cached: several tests share prompts)."""
+    return list(_reference(path, tuple(prompt), n))
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def vocab_size(path: str) -> int:
+    import mlx.core as mx
+
+    model, _ = load_model(path)
+    return int(model(mx.array([[0]])).shape[-1])
+
+
+@pytest.fixture(params=["tiny_model", "tiny_llama"])
+def model_path(request) -> str:
+    return request.getfixturevalue(request.param)
+
+
+class SlotAllocator:
+    """A free list over slots 1..N; freed slots are handed out again first (LIFO)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.free_list = list(range(1, num_slots + 1))
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self.free_list):
+            raise RuntimeError(f"out of slots: want {n}, have {len(self.free_list)}")
+        out, self.free_list = self.free_list[:n], self.free_list[n:]
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        assert not set(slots) & set(self.free_list), "double free"
+        assert all(1 <= s <= self.num_slots for s in slots)
+        self.free_list = list(slots) + self.free_list
+
+
+class Harness:
+    """A ModelRunner plus the scheduler-side bookkeeping of the slot contract.
+
+    For each request: `slots[rid]` are the slots holding (or, while deferred, about to
+    hold) its KV and `tokens[rid]` the tokens whose KV that is (prompt + generated[:-1]);
+    `out[rid]` are its sampled tokens.
+    """
+
+    def __init__(self, path: str, num_slots: int = N_SLOTS, seed: int = 0):
+        from worker_mlx.kv_pool import MlxKVPool
+        from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+
+        model, _ = load_model(path)
+        self.path = path
+        self.model = model
+        self.vocab = vocab_size(path)
+        self.pool = MlxKVPool(probe_kv_layout(model), num_slots)
+        self.runner = ModelRunner(model, self.pool, self.vocab, seed=seed)
+        self.alloc = SlotAllocator(num_slots)
+        self.slots: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.out: dict[str, list[int]] = {}
+        self.running: list[str] = []
+        self.step = 0
+
+    def prefix(self, rid: str, n: int | None = None) -> tuple[list[int], list[int]]:
+        """(slots, tokens) of the first `n` (default all) KV positions of `rid`."""
+        n = len(self.slots[rid]) if n is None else n
+        return self.slots[rid][:n], self.tokens[rid][:n]
+
+    def ereq(
+        self,
+        rid: str,
+        new_ids: list[int],
+        prefix: tuple[list[int], list[int]] = ([], []),
+        sampling: SamplingParams | None = None,
+        last_chunk: bool = True,
+        out_cache_loc: list[int] | None = None,
+    ) -> ExtendReq:
+        prefix_slots, prefix_tokens = prefix
+        loc = self.alloc.alloc(len(new_ids)) if out_cache_loc is None else out_cache_loc
+        self.slots[rid] = list(prefix_slots) + loc
+        self.tokens[rid] = list(prefix_tokens) + list(new_ids)
+        self.out.setdefault(rid, [])
+        return ExtendReq(
+            rid, list(new_ids), list(prefix_slots), loc, sampling or greedy(), last_chunk
+        )
+
+    def extend(self, reqs: list[ExtendReq], release: list[ReleaseReq] = ()) -> None:
+        self.step += 1
+        res = self.runner.extend(ExtendBatch(self.step, reqs, list(release)))
+        assert res.rids == [r.rid for r in reqs if r.last_chunk]
+        assert len(res.next_token_ids) == len(res.rids)
+        self._gone(release)
+        for rid, tok in zip(res.rids, res.next_token_ids):
+            assert 0 <= tok < self.vocab
+            self.out[rid].append(tok)
+            self.running.append(rid)
+
+    def decode(self, rids: list[str] | None = None, release: list[ReleaseReq] = ()) -> None:
+        gone = {r.rid for r in release}
+        rids = [r for r in self.running if r not in gone] if rids is None else rids
+        locs = self.alloc.alloc(len(rids))
+        self.step += 1
+        res = self.runner.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
+        assert res.rids == rids
+        self._gone(release)
+        for rid, loc, tok in zip(rids, locs, res.next_token_ids):
+            assert 0 <= tok < self.vocab
+            self.slots[rid].append(loc)
+            self.tokens[rid].append(self.out[rid][-1])
+            self.out[rid].append(tok)
+
+    def release(self, release: list[ReleaseReq]) -> None:
+        self.runner.release(release)
+        self._gone(release)
+
+    def _gone(self, release: list[ReleaseReq]) -> None:
+        gone = {r.rid for r in release}
+        self.running = [r for r in self.running if r not in gone]
+
+    def free(self, rid: str) -> list[int]:
+        """Return all of `rid`'s slots to the allocator, last written first in line for reuse."""
+        freed = self.slots[rid]
+        self.alloc.free(freed[::-1])
+        self.slots[rid], self.tokens[rid] = [], []
+        return freed
+
+    def assert_pool_holds(self, rid: str) -> None:
+        """The pool rows at `rid`'s slots equal the KV mlx-lm computes for its tokens."""
+        import mlx.core as mx
+        import numpy as np
+        from mlx_lm.models.cache import make_prompt_cache
+
+        slots, tokens = self.prefix(rid)
+        assert len(slots) == len(tokens) > 0
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array([tokens]), cache=cache)
+        idx = mx.array(slots, dtype=mx.int32)
+        for layer, c in enumerate(cache):
+            ref_k, ref_v = c.keys_and_values()
+            got_k, got_v = self.pool.gather(layer, idx)
+            for got, ref in ((got_k, ref_k), (got_v, ref_v)):
+                ref = np.array(ref[0].transpose(1, 0, 2))  # (T, H, D)
+                np.testing.assert_allclose(
+                    np.array(got), ref, rtol=1e-4, atol=1e-4, err_msg=f"{rid} layer {layer}"
+                )
+
+
+def generate(
+    h: Harness,
+    prompts: dict[str, list[int]],
+    max_new: dict[str, int] | int = DECODE_STEPS,
+    sampling: dict[str, SamplingParams] | None = None,
+    free_finished: bool = False,
+) -> dict[str, list[int]]:
+    """Extend every prompt in one ExtendBatch, then decode the running requests together.
+
+    A request that has its `max_new` tokens is released (flush=True) with the next
+    descriptor; with `free_finished` its slots go straight back to the allocator, so the
+    next decode step reuses them.
+    """
+    limits = max_new if isinstance(max_new, dict) else {rid: max_new for rid in prompts}
+    sampling = sampling or {}
+    reqs = [
+        h.ereq(rid, ids, sampling=sampling.get(rid, greedy(limits[rid])))
+        for rid, ids in prompts.items()
+    ]
+    h.extend(reqs)
+    while True:
+        done = [rid for rid in h.running if rid in limits and len(h.out[rid]) >= limits[rid]]
+        release = [ReleaseReq(rid, flush=True) for rid in done]
+        if len(done) == len(h.running):
+            h.release(release)
+            break
+        if free_finished:
+            # the runner flushes on release, before the descriptor's own work, so the
+            # freed slots are reused by this very decode step
+            for rid in done:
+                h.free(rid)
+        h.decode(release=release)
+    for rid in prompts:
+        assert len(h.out[rid]) == limits[rid]
+    return {rid: h.out[rid] for rid in prompts}
+
+
+def assert_parity(h: Harness, prompts: dict[str, list[int]], got: dict[str, list[int]]):
+    for rid, prompt in prompts.items():
+        want = reference(h.path, prompt, len(got[rid]))
+        assert got[rid] == want, f"{rid} (prompt length {len(prompt)})"
+
+
+# ---------------------------------------------------------------- 1. batched parity
+
+
+@pytest.mark.parametrize("batch_size", range(1, 9))
+def test_batched_extend_and_decode_match_mlx_lm(model_path, batch_size):
+    h = Harness(model_path)
+    rng = random.Random(100 + batch_size)
+    lengths = [1, 40] + [rng.randint(1, 40) for _ in range(batch_size)]
+    prompts = {f"r{i}": random_prompt(rng, lengths[i], h.vocab) for i in range(batch_size)}
+    got = generate(h, prompts, DECODE_STEPS)
+    assert_parity(h, prompts, got)
+
+
+def test_decode_buffer_growth_matches_mlx_lm(model_path):
+    """Prompts straddling the decode buffer's 256-column capacity, so it grows mid-run."""
+    h = Harness(model_path)
+    rng = random.Random(7)
+    prompts = {"long": random_prompt(rng, 250, h.vocab), "short": random_prompt(rng, 3, h.vocab)}
+    got = generate(h, prompts, DECODE_STEPS)
+    assert_parity(h, prompts, got)
+    h.assert_pool_holds("long")
+
+
+# ---------------------------------------------------------------- 2. staggered finishes
+
+
+@pytest.mark.parametrize("free_finished", [False, True])
+def test_requests_finishing_at_different_times(model_path, free_finished):
+    h = Harness(model_path)
+    rng = random.Random(2)
+    max_new = {"a": 1, "b": 3, "c": 5, "d": 8, "e": 12, "f": 12}
+    prompts = {rid: random_prompt(rng, rng.randint(1, 30), h.vocab) for rid in max_new}
+    got = generate(h, prompts, max_new, free_finished=free_finished)
+    assert_parity(h, prompts, got)
+    for rid in ("e", "f"):  # still own their slots: all flushed, none overwritten
+        h.assert_pool_holds(rid)
+
+
+# ---------------------------------------------------------------- 3. cached prefixes
+
+
+@pytest.mark.parametrize("cut", ["prompt", "mid_generated", "all"])
+def test_extend_on_cached_prefix(model_path, cut):
+    """A released request's KV reused as prefix, cut inside its prompt or its output."""
+    h = Harness(model_path)
+    rng = random.Random(3)
+    a = random_prompt(rng, 20, h.vocab)
+    got_a = generate(h, {"A": a}, 8)["A"]
+    assert got_a == reference(h.path, a, 8)
+    # KV exists for A + got_a[:-1]; the last sampled token has none yet
+    n = {"prompt": 13, "mid_generated": len(a) + 4, "all": len(a) + 7}[cut]
+    prefix = h.prefix("A", n)
+    history = a + got_a
+    user = random_prompt(rng, 9, h.vocab)
+    full = history[: len(a) + 8] + user
+    # batched with a request without prefix, so the prefix lengths differ within the batch
+    other = random_prompt(rng, 17, h.vocab)
+    h.extend([h.ereq("B", full[n:], prefix=prefix), h.ereq("C", other)])
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["B"] == reference(h.path, full, DECODE_STEPS)
+    assert h.out["C"] == reference(h.path, other, DECODE_STEPS)
+
+
+def test_multi_turn_conversation(model_path):
+    """Turn k+1 = turn k's prompt + its output + new user tokens, prefix = all of turn k's KV."""
+    h = Harness(model_path)
+    rng = random.Random(4)
+    history = random_prompt(rng, 15, h.vocab)
+    got = generate(h, {"t0": history}, 6)["t0"]
+    assert got == reference(h.path, history, 6)
+    for turn in (1, 2, 3):
+        prev = f"t{turn - 1}"
+        user = random_prompt(rng, 4 + turn, h.vocab)
+        prefix = h.prefix(prev)  # prompt + generated[:-1]
+        assert prefix[1] == history + got[:-1]
+        history = history + got + user
+        # the last sampled token of the previous turn has no KV: it leads the new tokens
+        rid = f"t{turn}"
+        h.extend([h.ereq(rid, history[len(prefix[0]) :], prefix=prefix)])
+        for _ in range(5):
+            h.decode()
+        h.release([ReleaseReq(rid, flush=True)])
+        got = h.out[rid]
+        assert got == reference(h.path, history, 6), f"turn {turn}"
+    h.assert_pool_holds("t3")
+
+
+# ---------------------------------------------------------------- 4. chunked prefill
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_chunked_prefill(model_path, interleave):
+    """100 tokens in chunks of 32 (last_chunk False, False, False, True); optionally another
+    request decodes between the chunks, so each chunk's extend must flush its deferred KV."""
+    h = Harness(model_path)
+    rng = random.Random(5)
+    prompt = random_prompt(rng, 100, h.vocab)
+    other = random_prompt(rng, 11, h.vocab)
+    if interleave:
+        h.extend([h.ereq("other", other)])
+    chunks = [prompt[i : i + 32] for i in range(0, 100, 32)]
+    assert [len(c) for c in chunks] == [32, 32, 32, 4]
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        prefix = h.prefix("long") if i else ([], [])
+        h.extend([h.ereq("long", chunk, prefix=prefix, last_chunk=last)])
+        assert ("long" in h.running) == last
+        if interleave:
+            h.decode(["other"])
+            h.decode(["other"])
+    assert len(h.slots["long"]) == 100
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["long"] == reference(h.path, prompt, DECODE_STEPS)
+    if interleave:
+        assert h.out["other"] == reference(h.path, other, len(h.out["other"]))
+    h.release([ReleaseReq(rid, flush=True) for rid in list(h.running)])
+    h.assert_pool_holds("long")
+
+
+# ---------------------------------------------------------------- 5. failure mode 1
+
+
+def test_prefix_with_generated_tokens_of_released_request(model_path):
+    """Failure mode 1: a new request matching a prefix that includes another request's
+    generated tokens must not read zeros; release(flush=True) writes the deferred KV."""
+    h = Harness(model_path)
+    rng = random.Random(6)
+    x = random_prompt(rng, 10, h.vocab)
+    z = random_prompt(rng, 21, h.vocab)
+    # X decodes alongside Z, so the flush must pick X's row out of a shared decode buffer
+    h.extend([h.ereq("X", x), h.ereq("Z", z)])
+    for _ in range(7):
+        h.decode()
+    h.release([ReleaseReq("X", flush=True)])
+    h.assert_pool_holds("X")
+    prefix = h.prefix("X")
+    extra = random_prompt(rng, 5, h.vocab)
+    full = x + h.out["X"] + extra
+    h.extend([h.ereq("Y", full[len(prefix[0]) :], prefix=prefix)])
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["X"] == reference(h.path, x, 8)
+    assert h.out["Y"] == reference(h.path, full, DECODE_STEPS)
+    assert h.out["Z"] == reference(h.path, z, len(h.out["Z"]))
+
+
+def test_prefix_with_generated_tokens_of_running_request(model_path):
+    """Failure mode 1 while X is still decoding: the extend flushes X's deferred KV first,
+    so X's decode slots are a correct prefix, and X keeps decoding correctly afterwards."""
+    h = Harness(model_path)
+    rng = random.Random(8)
+    x = random_prompt(rng, 12, h.vocab)
+    h.extend([h.ereq("X", x)])
+    for _ in range(6):
+        h.decode()
+    prefix = h.prefix("X")  # X's prompt + 6 decoded tokens, only in the decode buffer so far
+    extra = random_prompt(rng, 3, h.vocab)
+    full = x + h.out["X"] + extra
+    h.extend([h.ereq("Y", full[len(prefix[0]) :], prefix=prefix)])
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["Y"] == reference(h.path, full, DECODE_STEPS)
+    assert h.out["X"] == reference(h.path, x, len(h.out["X"]))
+    # and a second sharer arriving later, after more deferred decode steps of both
+    prefix = h.prefix("X")
+    full2 = x + h.out["X"] + extra
+    h.extend([h.ereq("W", full2[len(prefix[0]) :], prefix=prefix)])
+    for _ in range(3):
+        h.decode()
+    assert h.out["W"] == reference(h.path, full2, 4)
+    h.release([ReleaseReq(rid, flush=True) for rid in list(h.running)])
+    for rid in ("X", "Y", "W"):
+        h.assert_pool_holds(rid)
+
+
+# ---------------------------------------------------------------- 6. failure mode 2
+
+
+@pytest.mark.parametrize("abort_in", ["extend", "decode"])
+def test_aborted_request_slots_reused(model_path, abort_in):
+    """Failure mode 2: an aborted request's deferred KV is dropped, never flushed into its
+    old slots once another request owns them."""
+    h = Harness(model_path)
+    rng = random.Random(9)
+    x = random_prompt(rng, 8, h.vocab)
+    z = random_prompt(rng, 14, h.vocab)
+    h.extend([h.ereq("X", x), h.ereq("Z", z)])
+    for _ in range(6):
+        h.decode()
+    abort = [ReleaseReq("X", flush=False)]
+    y = random_prompt(rng, 9, h.vocab)
+    if abort_in == "extend":
+        freed = h.free("X")  # prompt and decode slots; X's decode slots are reused first
+        h.extend([h.ereq("Y", y)], release=abort)
+    else:
+        h.decode(release=abort)  # Z alone now: the decode buffer is rebuilt
+        freed = h.free("X")
+        h.extend([h.ereq("Y", y)])
+    assert set(h.slots["Y"][:6]) == set(freed[len(x) :])  # Y took over X's decode slots
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()  # Z and Y decode; later decode slots also come from X's freed ones
+    h.release([ReleaseReq(rid, flush=True) for rid in list(h.running)])
+    assert h.out["Y"] == reference(h.path, y, DECODE_STEPS)
+    assert h.out["Z"] == reference(h.path, z, len(h.out["Z"]))
+    h.assert_pool_holds("Y")
+    h.assert_pool_holds("Z")
+    # a third request on Y's KV as prefix sees Y's own KV
+    prefix = h.prefix("Y")
+    full = y + h.out["Y"]
+    h.extend([h.ereq("W", full[len(prefix[0]) :], prefix=prefix)])
+    for _ in range(4):
+        h.decode()
+    assert h.out["W"] == reference(h.path, full, 5)
+
+
+def test_finished_request_slots_reused(model_path):
+    """X finished and flushed; its slots freed and reused by Y (extend) and by Z's decode
+    steps must not be overwritten by any later flush."""
+    h = Harness(model_path)
+    rng = random.Random(10)
+    x = random_prompt(rng, 6, h.vocab)
+    z = random_prompt(rng, 9, h.vocab)
+    h.extend([h.ereq("X", x), h.ereq("Z", z)])
+    for _ in range(5):
+        h.decode()
+    h.decode(release=[ReleaseReq("X", flush=True)])  # X flushed, Z continues alone
+    assert h.out["X"] == reference(h.path, x, 6)
+    freed = h.free("X")
+    for _ in range(3):
+        h.decode()  # Z's decode slots now come from X's freed slots
+    y = random_prompt(rng, 7, h.vocab)
+    h.extend([h.ereq("Y", y)])  # more of X's old slots, and the flush of Z's deferred KV
+    assert set(h.slots["Y"]) <= set(freed)
+    assert set(h.slots["Z"][-3:]) <= set(freed)
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    h.decode(["Y"], release=[ReleaseReq("Z", flush=True)])
+    h.release([ReleaseReq("Y", flush=True)])
+    assert h.out["Y"] == reference(h.path, y, DECODE_STEPS + 1)
+    assert h.out["Z"] == reference(h.path, z, len(h.out["Z"]))
+    h.assert_pool_holds("Y")
+    h.assert_pool_holds("Z")
+
+
+# ---------------------------------------------------------------- 7. pool sizing
+
+
+def test_pool_sizing_formula(tiny_model, tiny_llama):
+    import mlx.core as mx
+
+    from worker_mlx.kv_pool import (
+        MAX_AUTO_SLOTS,
+        KVLayout,
+        MlxKVPool,
+        available_memory_bytes,
+        pool_size,
+    )
+    from worker_mlx.model_runner import probe_kv_layout
+
+    for path in (tiny_model, tiny_llama):
+        model, _ = load_model(path)
+        layout = probe_kv_layout(model)
+        args = model.args
+        assert layout.num_layers == args.num_hidden_layers
+        assert layout.n_kv_heads == args.num_key_value_heads
+        n, kv, hd = layout.num_layers, layout.n_kv_heads, layout.head_dim
+        assert layout.bytes_per_slot == 2 * n * kv * hd * layout.dtype.size
+        pool = MlxKVPool(layout, 100)
+        assert sum(a.nbytes for a in pool.arrays()) == 101 * layout.bytes_per_slot
+        assert pool_size(layout, 123, 0.5) == 123
+
+    # a layout big enough that the auto size stays under the cap
+    big = KVLayout(num_layers=64, n_kv_heads=8, head_dim=128, dtype=mx.float16)
+    assert big.bytes_per_slot == 2 * 64 * 8 * 128 * 2
+    before = available_memory_bytes()
+    got = pool_size(big, None, 0.5)
+    after = available_memory_bytes()
+    lo, hi = sorted([before, after])
+    lo_slots = min(int(lo * 0.98 * 0.5) // big.bytes_per_slot, MAX_AUTO_SLOTS)
+    hi_slots = min(int(hi * 1.02 * 0.5) // big.bytes_per_slot, MAX_AUTO_SLOTS)
+    assert lo_slots <= got <= hi_slots
+    assert got < MAX_AUTO_SLOTS
+
+    # the tiny layout would get millions of slots: capped
+    tiny = probe_kv_layout(load_model(tiny_model)[0])
+    if available_memory_bytes() * 0.9 // tiny.bytes_per_slot > 2 * MAX_AUTO_SLOTS:
+        assert pool_size(tiny, None, 0.9) == MAX_AUTO_SLOTS
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        pool_size(big, None, 1e-12)
+
+
+# ---------------------------------------------------------------- 8. seeded sampling
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    rng = random.Random(11)
+    vocab = vocab_size(tiny_model)
+    p = random_prompt(rng, 12, vocab)
+    others = {f"o{i}": random_prompt(rng, rng.randint(1, 20), vocab) for i in range(3)}
+
+    alone = generate(Harness(tiny_model, seed=0), {"s": p}, 10, {"s": seeded(1234)})["s"]
+
+    # same seed, batched with greedy, unseeded and differently seeded requests, at another
+    # position, on a runner with another worker seed
+    prompts = {"o0": others["o0"], "o1": others["o1"], "s": p, "o2": others["o2"]}
+    sampling = {"o0": seeded(None), "o1": greedy(10), "s": seeded(1234), "o2": seeded(99)}
+    batched = generate(Harness(tiny_model, seed=5), prompts, 10, sampling)
+    assert batched["s"] == alone
+    assert batched["o1"] == reference(tiny_model, others["o1"], 10)
+
+    again = generate(Harness(tiny_model, seed=0), {"s": p}, 10, {"s": seeded(1234)})["s"]
+    assert again == alone
+    other_seed = generate(Harness(tiny_model, seed=0), {"s": p}, 10, {"s": seeded(4321)})["s"]
+    assert other_seed != alone
+
+
+# ---------------------------------------------------------------- 9. bad descriptors
+
+
+def test_bad_descriptors_raise_and_leave_runner_usable(tiny_model):
+    h = Harness(tiny_model, num_slots=256)
+    rng = random.Random(12)
+    x = random_prompt(rng, 9, h.vocab)
+    h.extend([h.ereq("X", x)])
+    h.decode()
+    h.decode()
+
+    def bad_extend(message: str, **kw) -> None:
+        fields = dict(
+            rid="bad",
+            input_ids=[1, 2, 3],
+            prefix_slot_ids=[],
+            out_cache_loc=[200, 201, 202],
+            sampling=greedy(),
+        )
+        fields.update(kw)
+        good = ExtendReq("good", [4, 5], [], [203, 204], greedy())
+        with pytest.raises(ValueError, match=message):
+            h.runner.extend(ExtendBatch(99, [good, ExtendReq(**fields)]))
+        assert "bad" not in h.runner.reqs and "good" not in h.runner.reqs
+
+    bad_extend("slot id outside the pool", out_cache_loc=[200, 0, 202])
+    bad_extend("slot id outside the pool", out_cache_loc=[200, 201, 257])
+    bad_extend("slot id outside the pool", prefix_slot_ids=[0])
+    bad_extend("slot id outside the pool", prefix_slot_ids=[257])
+    bad_extend("3 tokens but 2 slots", out_cache_loc=[200, 201])
+    bad_extend("token id outside the vocabulary", input_ids=[1, h.vocab, 3])
+    bad_extend("token id outside the vocabulary", input_ids=[-1, 2, 3])
+    bad_extend("no input tokens", input_ids=[], out_cache_loc=[])
+    bad_extend("already decoding", rid="X")
+    bad_extend("temperature", sampling=SamplingParams(temperature=-1.0))
+
+    def bad_decode(message: str, rids: list[str], locs: list[int]) -> None:
+        with pytest.raises(ValueError, match=message):
+            h.runner.decode(DecodeBatch(99, rids, locs))
+
+    bad_decode("unknown requests", ["X", "nobody"], [210, 211])
+    bad_decode("2 requests but 1 slots", ["X", "X2"], [210])
+    bad_decode("slot id outside the pool", ["X"], [0])
+    bad_decode("slot id outside the pool", ["X"], [257])
+
+    # X is unharmed and keeps decoding, and a new request next to it still works
+    y = random_prompt(rng, 5, h.vocab)
+    h.extend([h.ereq("Y", y)])
+    for _ in range(5):
+        h.decode()
+    assert h.out["X"] == reference(tiny_model, x, 8)
+    assert h.out["Y"] == reference(tiny_model, y, 6)
