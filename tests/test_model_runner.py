@@ -410,6 +410,8 @@ def test_prefix_with_generated_tokens_of_running_request(model_path):
 def test_aborted_request_slots_reused(model_path, abort_in):
     """Failure mode 2: an aborted request's deferred KV is dropped, never flushed into its
     old slots once another request owns them."""
+    import mlx.core as mx
+
     h = Harness(model_path)
     rng = random.Random(9)
     x = random_prompt(rng, 8, h.vocab)
@@ -424,6 +426,11 @@ def test_aborted_request_slots_reused(model_path, abort_in):
         h.extend([h.ereq("Y", y)], release=abort)
     else:
         h.decode(release=abort)  # Z alone now: the decode buffer is rebuilt
+        # dropped, not flushed: X's decode slots were never written
+        decode_slots = mx.array(h.slots["X"][len(x) :], dtype=mx.int32)
+        for layer in range(h.pool.layout.num_layers):
+            for rows in h.pool.gather(layer, decode_slots):
+                assert not mx.any(rows).item()
         freed = h.free("X")
         h.extend([h.ereq("Y", y)])
     assert set(h.slots["Y"][:6]) == set(freed[len(x) :])  # Y took over X's decode slots
@@ -441,6 +448,26 @@ def test_aborted_request_slots_reused(model_path, abort_in):
     for _ in range(4):
         h.decode()
     assert h.out["W"] == reference(h.path, full, 5)
+
+
+def test_rid_reused_after_abort(model_path):
+    """An aborted rid extended again with another prompt (as a retraction would) must not
+    decode on the old request's buffered KV, even with the same decode membership."""
+    h = Harness(model_path)
+    rng = random.Random(13)
+    x = random_prompt(rng, 7, h.vocab)
+    z = random_prompt(rng, 10, h.vocab)
+    h.extend([h.ereq("X", x), h.ereq("Z", z)])
+    for _ in range(3):
+        h.decode(["X", "Z"])
+    x2 = random_prompt(rng, 12, h.vocab)
+    h.free("X")
+    h.out["X"] = []
+    h.extend([h.ereq("X", x2)], release=[ReleaseReq("X", flush=False)])
+    for _ in range(DECODE_STEPS - 1):
+        h.decode(["X", "Z"])
+    assert h.out["X"] == reference(h.path, x2, DECODE_STEPS)
+    assert h.out["Z"] == reference(h.path, z, len(h.out["Z"]))
 
 
 def test_finished_request_slots_reused(model_path):

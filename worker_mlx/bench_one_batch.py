@@ -1,0 +1,216 @@
+"""Latency of one static batch through the worker's ModelRunner, no server around it.
+
+    python -m worker_mlx.bench_one_batch --model-path P --batch-size 1 4 \
+        --input-len 60 --output-len 100 [--cached-prefix-len K] [--compare-mlx-lm]
+
+Prints SGLang's bench_one_batch lines for a warm-up and a benchmark pass and appends one
+JSON line per batch size to bench_results/bench_one_batch.jsonl. With --cached-prefix-len
+each prompt is K tokens already in the pool followed by --input-len new tokens. With
+--compare-mlx-lm it also times mlx-lm's own decode step (generate_step at batch 1,
+BatchGenerator above) in the same run and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from common.blas import preload_openblas
+
+BLAS = preload_openblas()
+
+import mlx.core as mx  # noqa: E402
+
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
+from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
+from worker_mlx.model_runner import ModelRunner, probe_kv_layout  # noqa: E402
+
+GREEDY = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
+
+
+class SlotList:
+    """The simplest allocator: enough for a benchmark that frees nothing mid-run."""
+
+    def __init__(self, n: int):
+        self.next = 1
+        self.n = n
+
+    def take(self, k: int) -> list[int]:
+        if self.next + k - 1 > self.n:
+            raise RuntimeError("pool too small for this benchmark")
+        out = list(range(self.next, self.next + k))
+        self.next += k
+        return out
+
+
+def run_batch(runner, slots, prompts, prefix_slots, output_len, tag) -> dict:
+    """Extend `prompts` (after `prefix_slots`), decode `output_len - 1` steps, time both."""
+    reqs = [
+        ExtendReq(f"{tag}-{i}", p, list(prefix_slots), slots.take(len(p)), GREEDY)
+        for i, p in enumerate(prompts)
+    ]
+    rids = [r.rid for r in reqs]
+    start = time.perf_counter()
+    runner.extend(ExtendBatch(0, reqs))
+    prefill = time.perf_counter() - start
+    decode = []
+    for step in range(output_len - 1):
+        t = time.perf_counter()
+        runner.decode(DecodeBatch(step + 1, rids, slots.take(len(rids))))
+        decode.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    runner.release([ReleaseReq(rid, flush=False) for rid in rids])
+    return {"prefill": prefill, "decode": decode, "total": total}
+
+
+def report(res: dict, bs: int, input_len: int, output_len: int, verbose: bool) -> dict:
+    prefill_tokens = bs * input_len
+    print(
+        f"Prefill. latency: {res['prefill']:.5f} s, "
+        f"throughput: {prefill_tokens / res['prefill']:10.2f} token/s"
+    )
+    for i, lat in enumerate(res["decode"]):
+        if verbose or i < 3:
+            print(
+                f"Decode {i}. Batch size: {bs}, latency: {lat:.5f} s, "
+                f"throughput: {bs / lat:10.2f} token/s"
+            )
+    med = statistics.median(res["decode"]) if res["decode"] else float("nan")
+    print(f"Decode.  median latency: {med:.5f} s, median throughput: {bs / med:10.2f} token/s")
+    total_tokens = bs * (input_len + output_len)
+    print(
+        f"Total. latency: {res['total']:6.3f} s, "
+        f"throughput: {total_tokens / res['total']:10.2f} token/s"
+    )
+    return {
+        "prefill_latency": res["prefill"],
+        "prefill_throughput": prefill_tokens / res["prefill"],
+        "median_decode_latency": med,
+        "median_decode_throughput": bs / med,
+        "total_latency": res["total"],
+    }
+
+
+def mlx_lm_decode_step(model, prompts: list[list[int]], steps: int) -> float:
+    """Median decode step of mlx-lm itself: generate_step at batch 1, BatchGenerator above."""
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    times = []
+    if len(prompts) == 1:
+        gen = generate_step(
+            mx.array(prompts[0]), model, max_tokens=steps + 1, sampler=lambda x: mx.argmax(x, -1)
+        )
+        next(gen)
+        t = time.perf_counter()
+        for _ in gen:
+            now = time.perf_counter()
+            times.append(now - t)
+            t = now
+        return statistics.median(times)
+    gen = BatchGenerator(
+        model,
+        max_tokens=steps + 1,
+        completion_batch_size=len(prompts),
+        prefill_batch_size=len(prompts),
+    )
+    gen.insert(prompts)
+    while not gen.next_generated():
+        pass
+    for _ in range(steps - 1):
+        t = time.perf_counter()
+        if not gen.next_generated():
+            break
+        times.append(time.perf_counter() - t)
+    gen.close()
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    from mlx_lm import load
+
+    path = args.model_path or str(_preset_model(args.preset))
+    model, _ = load(path)
+    layout = probe_kv_layout(model)
+    max_bs = max(args.batch_size)
+    need = (args.cached_prefix_len + 2 * max_bs * (args.input_len + args.output_len)) * 2 + 64
+    runner = ModelRunner(model, MlxKVPool(layout, need), vocab_size=model.args.vocab_size)
+    print(f"model {path}: {layout}, BLAS: {BLAS}")
+    results = []
+    for bs in args.batch_size:
+        slots = SlotList(need)
+        rng = mx.random.key(args.seed)
+        prefix_ids = mx.random.randint(3, 300, (args.cached_prefix_len,), key=rng).tolist()
+        prefix_slots = slots.take(len(prefix_ids)) if prefix_ids else []
+        if prefix_ids:
+            runner.extend(
+                ExtendBatch(
+                    0, [ExtendReq("prefix", prefix_ids, [], prefix_slots, GREEDY, last_chunk=False)]
+                )
+            )
+        prompts = [
+            mx.random.randint(3, 300, (args.input_len,), key=mx.random.key(i)).tolist()
+            for i in range(bs)
+        ]
+        for tag in ("warmup", "benchmark"):
+            print(
+                f"--- {tag}: batch size {bs}, input {args.input_len} "
+                f"(+{args.cached_prefix_len} cached), output {args.output_len}"
+            )
+            res = run_batch(runner, slots, prompts, prefix_slots, args.output_len, tag)
+            row = report(res, bs, args.input_len, args.output_len, args.verbose)
+        row.update(
+            batch_size=bs,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            cached_prefix_len=args.cached_prefix_len,
+            model=path,
+            blas=BLAS,
+        )
+        if args.compare_mlx_lm:
+            base = mlx_lm_decode_step(model, [prefix_ids + p for p in prompts], args.output_len)
+            row["mlx_lm_median_decode_latency"] = base
+            row["decode_ratio_vs_mlx_lm"] = row["median_decode_latency"] / base
+            print(
+                f"mlx-lm decode step: {base:.5f} s; radix-mlx / mlx-lm = "
+                f"{row['decode_ratio_vs_mlx_lm']:.3f}"
+            )
+        results.append(row)
+    _append_jsonl(args.result_file, results)
+    return results
+
+
+def _preset_model(preset: str):
+    from common.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(preset=preset)
+
+
+def _append_jsonl(path: str, rows: list[dict]) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None, help="model dir or HF id (default: --preset)")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, default=60)
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--cached-prefix-len", type=int, default=0)
+    p.add_argument("--compare-mlx-lm", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="print every decode step")
+    p.add_argument("--result-file", default="bench_results/bench_one_batch.jsonl")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
