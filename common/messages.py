@@ -98,8 +98,11 @@ class TokenOut:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Per token in `token_ids` when the request asked for logprobs: the sampled token's
+    # logprob, and the top alternatives as [[token_id, logprob], ...].
     logprobs: list[float] | None = None
-    top_logprobs: list[dict[str, Any]] | None = None
+    top_logprobs: list[list[Any]] | None = None
+    queue_time: float = 0.0  # seconds from arrival to the first prefill, on the first output
 
 
 @dataclass
@@ -186,8 +189,9 @@ class StepResult:
     step: int
     rids: list[str]
     next_token_ids: list[int]
+    # Present when any row asked for logprobs; rows that did not hold 0.0 and [].
     logprobs: list[float] | None = None
-    top_logprobs: list[dict[str, Any]] | None = None
+    top_logprobs: list[list[Any]] | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from common.messages import SamplingParams
 from router.detokenizer import IncrementalDetokenizer
@@ -24,6 +25,8 @@ class Chunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list[float] | None = None  # per token in token_ids
+    top_logprobs: list[list[Any]] | None = None  # per token: [[token_id, logprob], ...]
 
 
 class Tokenization:
