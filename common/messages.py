@@ -65,6 +65,14 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
 
     @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
@@ -159,6 +167,10 @@ class ExtendReq:
     out_cache_loc: list[int]
     sampling: SamplingParams
     last_chunk: bool = True
+    # Only when the request uses sampling penalties: the tokens behind prefix_slot_ids, and
+    # the outputs already generated (a retracted request resuming).
+    context_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -69,16 +69,7 @@ def build_prefill(
         prefix, locs = admitted
         last = req.num_computed == req.seq_len
         batch.reqs.append(req)
-        batch.extend.append(
-            ExtendReq(
-                req.rid,
-                req.fill_ids[len(prefix) : req.num_computed],
-                prefix,
-                locs,
-                req.sampling,
-                last_chunk=last,
-            )
-        )
+        batch.extend.append(_extend_req(req, prefix, locs, last))
         if req.cached_tokens < 0:
             req.cached_tokens = len(prefix)
         batch.new_tokens += take
@@ -87,6 +78,15 @@ def build_prefill(
         kv_budget -= take + future
         seats -= 1 if last else 0
     return batch if batch.reqs else None
+
+
+def _extend_req(req: Req, prefix: list[int], locs: list[int], last: bool) -> ExtendReq:
+    fill = req.fill_ids
+    new = fill[len(prefix) : req.num_computed]
+    ext = ExtendReq(req.rid, new, prefix, locs, req.sampling, last_chunk=last)
+    if last and req.sampling.penalized:  # the worker needs the whole history for penalties
+        ext.context_ids, ext.output_ids = fill[: len(prefix)], list(req.output_ids)
+    return ext
 
 
 def _waits_for_twin(req: Req, matched: int, picked: list[Req]) -> bool:

@@ -26,6 +26,9 @@ class Req:
     to_abort: bool = False
     arrival: float = field(default_factory=time.monotonic)
     sent_len: int = 0  # output tokens already reported to the router
+    queue_time: float = -1.0  # seconds from arrival to the first prefill
+    logprobs: list[float] = field(default_factory=list)  # per output token, if asked
+    top_logprobs: list[list] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:

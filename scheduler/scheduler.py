@@ -135,9 +135,12 @@ class Scheduler:
         return None
 
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
+        now = time.monotonic()
         for req in batch.reqs:
             if req in self.waiting:
                 self.waiting.remove(req)
+            if req.queue_time < 0:
+                req.queue_time = now - req.arrival
         last = batch.extend[-1]
         self.chunked = None if last.last_chunk else batch.reqs[-1]
         self.in_flight = batch
@@ -204,21 +207,24 @@ class Scheduler:
             self.check_invariants()
 
     def _after_prefill(self, batch: PrefillBatch, result: StepResult) -> None:
-        tokens = dict(zip(result.rids, result.next_token_ids))
+        row = {rid: i for i, rid in enumerate(result.rids)}
         for req, ext in zip(batch.reqs, batch.extend):
             self.kv.cache_unfinished(req)
             if ext.last_chunk:
-                self._append_token(req, tokens[req.rid], joined=True)
+                self._append_token(req, result, row[req.rid], joined=True)
 
     def _after_decode(self, batch: list[Req], result: StepResult) -> None:
-        for req, tok in zip(batch, result.next_token_ids):
-            self._append_token(req, tok, joined=False)
+        for i, req in enumerate(batch):
+            self._append_token(req, result, i, joined=False)
         self.decode_steps += 1
         if self.decode_steps % self.args.decode_log_interval == 0:
             self._log_decode()
 
-    def _append_token(self, req: Req, token: int, joined: bool) -> None:
-        req.output_ids.append(token)
+    def _append_token(self, req: Req, result: StepResult, row: int, joined: bool) -> None:
+        req.output_ids.append(result.next_token_ids[row])
+        if req.sampling.logprobs and result.logprobs is not None:
+            req.logprobs.append(result.logprobs[row])
+            req.top_logprobs.append(result.top_logprobs[row])
         req.check_finished(self.eos_ids)
         if req.finish_reason is None:
             if joined:
@@ -261,14 +267,19 @@ class Scheduler:
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
+        start = req.sent_len
+        with_lp = req.sampling.logprobs and len(req.logprobs) == len(req.output_ids)
         self.outputs.append(
             TokenOut(
                 rid=req.rid,
-                token_ids=req.output_ids[req.sent_len :],
+                token_ids=req.output_ids[start:],
                 finish_reason=req.finish_reason,
                 prompt_tokens=len(req.input_ids),
                 completion_tokens=len(req.output_ids),
                 cached_tokens=max(req.cached_tokens, 0),
+                logprobs=req.logprobs[start:] if with_lp else None,
+                top_logprobs=req.top_logprobs[start:] if with_lp else None,
+                queue_time=max(req.queue_time, 0.0) if start == 0 else 0.0,
             )
         )
         req.sent_len = len(req.output_ids)

@@ -35,7 +35,9 @@ class ExtendPlan:
         self.P = P = max(len(p) for p in prefix_slots)
         self.new_lens = new_lens
         prefix_lens = mx.array([len(p) for p in prefix_slots], dtype=mx.int32)
-        self.offset = prefix_lens
+        # A batch of one gets a plain int: the fallback path for models whose RoPE cannot
+        # take per-row offsets.
+        self.offset = len(prefix_slots[0]) if B == 1 else prefix_lens
         self.prefix_idx = (
             mx.array([p + [0] * (P - len(p)) for p in prefix_slots], dtype=mx.int32) if P else None
         )
@@ -106,7 +108,8 @@ class DecodePlan:
     def begin_step(self) -> None:
         if self.idx >= self.keys[0].shape[2]:
             self._grow()
-        self.offset = mx.array([self.idx - p for p in self.left_pad], dtype=mx.int32)
+        positions = [self.idx - p for p in self.left_pad]
+        self.offset = positions[0] if len(positions) == 1 else mx.array(positions, mx.int32)
         cols = mx.arange(self.idx + 1)
         self.mask = (cols[None, :] >= self._left_pad_arr[:, None])[:, None, None, :]
 

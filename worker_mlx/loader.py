@@ -6,7 +6,7 @@ import logging
 
 import mlx.core as mx
 
-from common.messages import WorkerReady
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
 from common.server_args import ServerArgs
 from worker_mlx.kv_pool import MlxKVPool, pool_size
 from worker_mlx.model_runner import ModelRunner, probe_kv_layout
@@ -42,7 +42,13 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         num_slots * layout.bytes_per_slot / 2**20,
         blas,
     )
-    runner = ModelRunner(model, pool, vocab_size, seed=args.seed)
+    batched = batched_path_works(model, layout, vocab_size)
+    if not batched:
+        logger.warning(
+            "this model's attention cannot run batched with per-row offsets: every request "
+            "runs as its own batch (correct, but slower)"
+        )
+    runner = ModelRunner(model, pool, vocab_size, seed=args.seed, batched=batched)
     ready = WorkerReady(
         num_slots=num_slots,
         model_type=model_type,
@@ -56,6 +62,35 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         blas=blas,
     )
     return runner, ready
+
+
+def batched_path_works(model, layout, vocab_size: int) -> bool:
+    """Run two requests batched and one by one; the batched path must agree to be used."""
+    params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
+    prompts = [[(7 * i + 3) % vocab_size for i in range(9)], [5 % vocab_size, 11 % vocab_size]]
+    outputs = []
+    for batched in (True, False):
+        runner = ModelRunner(model, MlxKVPool(layout, 64), vocab_size, batched=batched)
+        slots = iter(range(1, 65))
+        reqs = [
+            ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            steps = [runner.extend(ExtendBatch(0, reqs))]
+            for step in range(1, 3):
+                locs = [next(slots) for _ in reqs]
+                steps.append(runner.decode(DecodeBatch(step, ["r0", "r1"], locs)))
+        except Exception as exc:
+            logger.info("batched self-check raised: %s", exc)
+            return False
+        outputs.append(steps)
+    for b, s in zip(*outputs):
+        if b.next_token_ids != s.next_token_ids:
+            return False
+        if any(abs(x - y) > 1e-3 for x, y in zip(b.logprobs, s.logprobs)):
+            return False
+    return True
 
 
 def _vocab_size(model, config: dict) -> int:

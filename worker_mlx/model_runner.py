@@ -15,7 +15,7 @@ import mlx.nn as nn
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.batch_cache import DecodePlan, ExtendPlan
 from worker_mlx.kv_pool import KVLayout, MlxKVPool
-from worker_mlx.sampler import KeySource, sample
+from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
 
 
 @dataclass
@@ -25,22 +25,33 @@ class ReqState:
     sampling: SamplingParams
     last_token: int
     key: mx.array | None
+    penalty: Penalty | None = None
 
 
 @dataclass
 class StepOutput:
     rids: list[str]
     next_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list] | None = None
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0):
+    """`batched=False` runs every request as its own batch of one with integer offsets: the
+    fallback for models whose attention cannot take per-row offset arrays."""
+
+    def __init__(
+        self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
+        batched: bool = True,
+    ):  # fmt: skip
         self.model = model
         self.pool = pool
         self.vocab_size = vocab_size
+        self.batched = batched
         self.keys = KeySource(seed)
         self.reqs: dict[str, ReqState] = {}
         self.decode_plan: DecodePlan | None = None
+        self.solo_plans: dict[str, DecodePlan] = {}
 
     # ------------------------------------------------------------ extend
 
@@ -49,7 +60,25 @@ class ModelRunner:
         for r in batch.reqs:
             self._check_extend(r)
         self._flush()
-        reqs = batch.reqs
+        groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
+        last_logits, states = [], []
+        for reqs in groups:
+            logits = self._extend_forward(reqs)
+            sampled = [i for i, r in enumerate(reqs) if r.last_chunk]
+            if sampled:
+                rows = mx.array(sampled, dtype=mx.int32)
+                cols = mx.array([len(reqs[i].input_ids) - 1 for i in sampled], dtype=mx.int32)
+                last_logits.append(logits[rows, cols])
+                states += [self._new_state(reqs[i]) for i in sampled]
+        if not states:
+            mx.eval(self.pool.arrays())
+            return StepOutput([], [])
+        out = self._sample_and_record(mx.concatenate(last_logits), states, self.pool.arrays())
+        for s in states:
+            self.reqs[s.rid] = s
+        return out
+
+    def _extend_forward(self, reqs: list[ExtendReq]) -> mx.array:
         plan = ExtendPlan(
             self.pool,
             [r.prefix_slot_ids for r in reqs],
@@ -57,22 +86,7 @@ class ModelRunner:
             [r.out_cache_loc for r in reqs],
         )
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
-        logits = self.model(tokens, cache=plan.layer_caches())
-        sampled = [i for i, r in enumerate(reqs) if r.last_chunk]
-        states = [self._new_state(reqs[i]) for i in sampled]
-        next_ids: list[int] = []
-        if sampled:
-            rows = mx.array(sampled, dtype=mx.int32)
-            cols = mx.array([len(reqs[i].input_ids) - 1 for i in sampled], dtype=mx.int32)
-            next_tok = self._sample(logits[rows, cols], states)
-            mx.eval(next_tok, self.pool.arrays())
-            next_ids = next_tok.tolist()
-        else:
-            mx.eval(self.pool.arrays())
-        for state, tok in zip(states, next_ids):
-            state.last_token = tok
-            self.reqs[state.rid] = state
-        return StepOutput([s.rid for s in states], next_ids)
+        return self.model(tokens, cache=plan.layer_caches())
 
     def _check_extend(self, r: ExtendReq) -> None:
         if not r.input_ids:
@@ -93,7 +107,8 @@ class ModelRunner:
 
     def _new_state(self, r: ExtendReq) -> ReqState:
         key = None if r.sampling.greedy else self.keys.request_key(r.sampling.seed)
-        return ReqState(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.sampling, -1, key)
+        penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
+        return ReqState(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.sampling, -1, key, penalty)
 
     # ------------------------------------------------------------ decode
 
@@ -106,21 +121,64 @@ class ModelRunner:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         self._check_slots("decode", batch.out_cache_loc)
         states = [self.reqs[rid] for rid in batch.rids]
-        plan = self.decode_plan
-        if plan is None or plan.rids != batch.rids:
-            self._flush()
-            plan = self.decode_plan = DecodePlan(self.pool, batch.rids, [s.slots for s in states])
-        plan.begin_step()
-        tokens = mx.array([[s.last_token] for s in states])
-        logits = self.model(tokens, cache=plan.layer_caches())
-        next_tok = self._sample(logits[:, -1, :], states)
-        plan.end_step()
-        mx.eval(next_tok, plan.keys, plan.values)
-        next_ids = next_tok.tolist()
-        for s, loc, tok in zip(states, batch.out_cache_loc, next_ids):
+        plans = self._decode_plans(batch.rids, states)
+        rows = []
+        for plan in plans:
+            plan.begin_step()
+            tokens = mx.array([[self.reqs[rid].last_token] for rid in plan.rids])
+            rows.append(self.model(tokens, cache=plan.layer_caches())[:, -1, :])
+            plan.end_step()
+        buffers = [a for plan in plans for a in plan.keys + plan.values]
+        out = self._sample_and_record(mx.concatenate(rows), states, buffers)
+        for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
+        return out
+
+    def _decode_plans(self, rids: list[str], states: list[ReqState]) -> list[DecodePlan]:
+        """The decode buffer(s) for `rids`, rebuilt from the pool when the set changed."""
+        if not self.batched:
+            for rid, s in zip(rids, states):
+                if rid not in self.solo_plans:
+                    self.solo_plans[rid] = DecodePlan(self.pool, [rid], [s.slots])
+            return [self.solo_plans[rid] for rid in rids]
+        plan = self.decode_plan
+        if plan is None or plan.rids != rids:
+            self._flush()
+            plan = self.decode_plan = DecodePlan(self.pool, rids, [s.slots for s in states])
+        return [plan]
+
+    def _sample_and_record(
+        self, logits: mx.array, states: list[ReqState], buffers: list[mx.array]
+    ) -> StepOutput:
+        """Sample one token per row, overlap host work with the step, record the results."""
+        logits = apply_penalties(logits, [s.penalty for s in states])
+        next_tok = sample(logits, [s.sampling for s in states], self._step_keys(states))
+        top_n = max((s.sampling.top_logprobs for s in states if s.sampling.logprobs), default=-1)
+        lp = logprobs(logits, next_tok, top_n) if top_n >= 0 else ()
+        mx.async_eval(next_tok, *lp, *buffers)
+        out = StepOutput([s.rid for s in states], next_tok.tolist())
+        for s, tok in zip(states, out.next_token_ids):
             s.last_token = tok
-        return StepOutput(list(batch.rids), next_ids)
+            if s.penalty is not None:
+                s.penalty.observe(tok)
+        if lp:
+            chosen, ids, vals = (x.tolist() for x in lp)
+            out.logprobs = [c if s.sampling.logprobs else 0.0 for s, c in zip(states, chosen)]
+            out.top_logprobs = [
+                [[i, v] for i, v in zip(row_ids, row_vals)][: s.sampling.top_logprobs]
+                if s.sampling.logprobs else []
+                for s, row_ids, row_vals in zip(states, ids, vals)
+            ]  # fmt: skip
+        return out
+
+    def _step_keys(self, states: list[ReqState]) -> list[mx.array | None]:
+        keys = []
+        for s in states:
+            use = None
+            if s.key is not None:
+                s.key, use = KeySource.next(s.key)
+            keys.append(use)
+        return keys
 
     # ------------------------------------------------------------ release and flush
 
@@ -133,25 +191,18 @@ class ModelRunner:
         self.decode_plan = None
         for r in release:
             self.reqs.pop(r.rid, None)
+            self.solo_plans.pop(r.rid, None)
 
     def _flush(self, skip: set[str] = frozenset()) -> None:
-        """Write every decode token that is only in the decode buffer into the pool."""
-        plan = self.decode_plan
-        if plan is None or plan.pending() == 0:
-            return
-        n = plan.pending()
-        rows = [i for i, rid in enumerate(plan.rids) if rid not in skip]
-        plan.flush(rows, [self.reqs[plan.rids[i]].slots[-n:] for i in rows])
+        """Write every decode token that is only in a decode buffer into the pool."""
+        plans = list(self.solo_plans.values()) + ([self.decode_plan] if self.decode_plan else [])
+        for plan in plans:
+            n = plan.pending()
+            if n == 0:
+                continue
+            rows = [i for i, rid in enumerate(plan.rids) if rid not in skip]
+            plan.flush(rows, [self.reqs[plan.rids[i]].slots[-n:] for i in rows])
         mx.eval(self.pool.arrays())
-
-    def _sample(self, logits: mx.array, states: list[ReqState]) -> mx.array:
-        keys = []
-        for s in states:
-            use = None
-            if s.key is not None:
-                s.key, use = KeySource.next(s.key)
-            keys.append(use)
-        return sample(logits, [s.sampling for s in states], keys)
 
 
 class _ProbeCache:

@@ -7,6 +7,9 @@ seeded request samples the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
+
 import mlx.core as mx
 
 from common.messages import SamplingParams
@@ -47,6 +50,65 @@ def _filter(scaled: mx.array, p: SamplingParams) -> mx.array:
             threshold = sorted_probs[mx.sum(before < p.top_p) - 1]
             scaled = mx.where(probs < threshold, NEG_INF, scaled)
     return scaled
+
+
+@dataclass
+class Penalty:
+    """Token history of one request for repetition (HF) and frequency/presence (OpenAI)."""
+
+    repetition: float
+    frequency: float
+    presence: float
+    seen: set[int] = field(default_factory=set)  # prompt and output tokens
+    counts: Counter = field(default_factory=Counter)  # output tokens
+
+    @classmethod
+    def for_request(cls, p: SamplingParams, fill_ids: list[int], output_ids: list[int]):
+        """None when the request uses no penalty, so the common case costs nothing."""
+        if not p.penalized:
+            return None
+        return cls(
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+            set(fill_ids),
+            Counter(output_ids),
+        )
+
+    def observe(self, token: int) -> None:
+        self.seen.add(token)
+        self.counts[token] += 1
+
+    def apply(self, row: mx.array) -> mx.array:
+        if self.repetition != 1 and self.seen:
+            idx = mx.array(sorted(self.seen))
+            vals = row[idx]
+            row[idx] = mx.where(vals > 0, vals / self.repetition, vals * self.repetition)
+        if (self.frequency or self.presence) and self.counts:
+            idx = mx.array(list(self.counts))
+            n = mx.array(list(self.counts.values()), dtype=mx.float32)
+            row[idx] = row[idx] - self.frequency * n - self.presence
+        return row
+
+
+def apply_penalties(logits: mx.array, penalties: list[Penalty | None]) -> mx.array:
+    if all(p is None for p in penalties):
+        return logits
+    logits = logits.astype(mx.float32)
+    return mx.stack([p.apply(logits[b]) if p else logits[b] for b, p in enumerate(penalties)])
+
+
+def logprobs(logits: mx.array, tokens: mx.array, top_n: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The model's log-probabilities (before sampling transforms): of `tokens`, and the
+    `top_n` best per row as (ids, values) sorted best first."""
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if top_n == 0:
+        empty = mx.zeros((lp.shape[0], 0), dtype=mx.int32)
+        return chosen, empty, empty.astype(mx.float32)
+    top_ids = mx.argsort(-lp, axis=-1)[:, :top_n]
+    return chosen, top_ids, mx.take_along_axis(lp, top_ids, axis=-1)
 
 
 class KeySource:

@@ -83,4 +83,4 @@ def execute(runner, msg) -> StepResult | WorkerError | None:
         logger.debug("%s", traceback.format_exc())
         return WorkerError(step=msg.step, message=f"{kind} failed: {exc}")
     assert isinstance(msg, (ExtendBatch, DecodeBatch))
-    return StepResult(step=msg.step, rids=out.rids, next_token_ids=out.next_token_ids)
+    return StepResult(msg.step, out.rids, out.next_token_ids, out.logprobs, out.top_logprobs)

@@ -1,0 +1,125 @@
+"""Worker sampling against references: logprobs, penalties, and the per-request fallback."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
+from tests.conftest import load_model, mlx_greedy
+from worker_mlx.kv_pool import MlxKVPool
+from worker_mlx.loader import batched_path_works
+from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+
+PROMPTS = [[5, 17, 99, 230, 41, 8], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]]
+
+
+def _runner(path: str, batched: bool = True) -> ModelRunner:
+    model, _ = load_model(path)
+    return ModelRunner(model, MlxKVPool(probe_kv_layout(model), 512), 512, batched=batched)
+
+
+def _generate(runner: ModelRunner, prompts, params: SamplingParams, n: int):
+    """Run prompts as one batch for n tokens; returns per-request step outputs."""
+    slots = iter(range(1, 513))
+    reqs = [
+        ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params) for i, p in enumerate(prompts)
+    ]
+    outs = [runner.extend(ExtendBatch(0, reqs))]
+    rids = [r.rid for r in reqs]
+    for step in range(1, n):
+        outs.append(runner.decode(DecodeBatch(step, rids, [next(slots) for _ in rids])))
+    runner.release([ReleaseReq(rid, flush=False) for rid in rids])
+    return outs
+
+
+def test_logprobs_equal_log_softmax_of_mlx_lm_logits(tiny_model):
+    from mlx_lm.generate import generate_step
+
+    model, _ = load_model(tiny_model)
+    params = SamplingParams(temperature=0, logprobs=True, top_logprobs=5)
+    outs = _generate(_runner(tiny_model), PROMPTS, params, 6)
+    for row, prompt in enumerate(PROMPTS):
+        steps = generate_step(mx.array(prompt), model, max_tokens=6, sampler=lambda x: x.argmax(-1))
+        for out, (tok, ref) in zip(outs, steps):
+            ref = np.array(ref.astype(mx.float32))
+            assert out.next_token_ids[row] == int(tok)
+            assert abs(out.logprobs[row] - ref[int(tok)]) < 1e-4
+            top = out.top_logprobs[row]
+            assert len(top) == 5
+            assert [i for i, _ in top] == list(np.argsort(-ref)[:5])
+            assert max(abs(v - ref[i]) for i, v in top) < 1e-4
+
+
+def _reference_penalized_greedy(path, prompt, n, rep, freq, pres):
+    """Full recompute each step, penalties applied in numpy: slow but obviously right."""
+    model, _ = load_model(path)
+    seq, out = list(prompt), []
+    for _ in range(n):
+        logits = np.array(model(mx.array([seq]))[0, -1].astype(mx.float32))
+        for t in set(seq):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(out):
+            logits[t] -= freq * out.count(t) + pres
+        tok = int(np.argmax(logits))
+        seq.append(tok)
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("rep,freq,pres", [(1.3, 0.0, 0.0), (1.0, 0.8, 0.5), (0.7, -0.5, 1.0)])
+def test_penalties_match_reference(tiny_model, rep, freq, pres):
+    params = SamplingParams(
+        temperature=0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
+    )
+    outs = _generate(_runner(tiny_model), PROMPTS, params, 10)
+    for row, prompt in enumerate(PROMPTS):
+        got = [o.next_token_ids[row] for o in outs]
+        assert got == _reference_penalized_greedy(tiny_model, prompt, 10, rep, freq, pres)
+
+
+def test_penalties_use_cached_context_and_resumed_outputs(tiny_model):
+    """With a cached prefix the worker learns the prefix tokens from context_ids."""
+    runner = _runner(tiny_model)
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=1.0)
+    first = runner.extend(ExtendBatch(0, [ExtendReq("a", prompt, [], list(range(1, 12)), params)]))
+    runner.release([ReleaseReq("a", flush=True)])
+    tok = first.next_token_ids[0]
+    # resume as a retracted request would: prompt + [tok] with the prompt's KV cached
+    req = ExtendReq(
+        "b", [tok], list(range(1, 12)), [20], params, context_ids=prompt, output_ids=[tok]
+    )
+    outs = [runner.extend(ExtendBatch(1, [req]))]
+    for step in range(2, 6):
+        outs.append(runner.decode(DecodeBatch(step, ["b"], [19 + step])))
+    got = [tok] + [o.next_token_ids[0] for o in outs]
+    assert got == _reference_penalized_greedy(tiny_model, prompt, 6, 1.5, 1.0, 0.0)
+
+
+class _IntOnlyRope:
+    """A RoPE that only takes integer offsets, like some model ports do."""
+
+    def __init__(self, rope):
+        self.rope = rope
+
+    def __call__(self, x, offset=0):
+        if isinstance(offset, mx.array):
+            raise TypeError("offset must be an int")
+        return self.rope(x, offset=offset)
+
+
+def test_per_request_fallback_is_detected_and_exact(tiny_llama):
+    from mlx_lm import load
+
+    model, _ = load(tiny_llama)
+    layout = probe_kv_layout(model)
+    assert batched_path_works(model, layout, 512)
+    for layer in model.model.layers:
+        layer.self_attn.rope = _IntOnlyRope(layer.self_attn.rope)
+    assert not batched_path_works(model, layout, 512)
+    runner = ModelRunner(model, MlxKVPool(layout, 512), 512, batched=False)
+    outs = _generate(runner, PROMPTS, SamplingParams(temperature=0), 8)
+    for row, prompt in enumerate(PROMPTS):
+        assert [o.next_token_ids[row] for o in outs] == mlx_greedy(tiny_llama, prompt, 8)
