@@ -123,3 +123,15 @@ def test_per_request_fallback_is_detected_and_exact(tiny_llama):
     outs = _generate(runner, PROMPTS, SamplingParams(temperature=0), 8)
     for row, prompt in enumerate(PROMPTS):
         assert [o.next_token_ids[row] for o in outs] == mlx_greedy(tiny_llama, prompt, 8)
+
+
+def test_prefill_projects_only_last_positions(tiny_model, tiny_llama):
+    """Tied (qwen3) and untied (llama) heads both split off the body."""
+    from worker_mlx.model_runner import split_lm_head
+
+    for path in (tiny_model, tiny_llama):
+        model, _ = load_model(path)
+        body, head = split_lm_head(model)
+        assert body is model.model
+        x = mx.array([[4, 5, 6, 7]])
+        assert mx.allclose(head(body(x))[:, -1], model(x)[:, -1], atol=1e-5).item()

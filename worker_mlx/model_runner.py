@@ -52,6 +52,7 @@ class ModelRunner:
         self.reqs: dict[str, ReqState] = {}
         self.decode_plan: DecodePlan | None = None
         self.solo_plans: dict[str, DecodePlan] = {}
+        self.body, self.head = split_lm_head(model)
 
     # ------------------------------------------------------------ extend
 
@@ -63,12 +64,12 @@ class ModelRunner:
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         last_logits, states = [], []
         for reqs in groups:
-            logits = self._extend_forward(reqs)
+            hidden = self._extend_forward(reqs)
             sampled = [i for i, r in enumerate(reqs) if r.last_chunk]
             if sampled:
                 rows = mx.array(sampled, dtype=mx.int32)
                 cols = mx.array([len(reqs[i].input_ids) - 1 for i in sampled], dtype=mx.int32)
-                last_logits.append(logits[rows, cols])
+                last_logits.append(self.head(hidden[rows, cols]))
                 states += [self._new_state(reqs[i]) for i in sampled]
         if not states:
             mx.eval(self.pool.arrays())
@@ -86,7 +87,7 @@ class ModelRunner:
             [r.out_cache_loc for r in reqs],
         )
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
-        return self.model(tokens, cache=plan.layer_caches())
+        return self.body(tokens, cache=plan.layer_caches())
 
     def _check_extend(self, r: ExtendReq) -> None:
         if not r.input_ids:
@@ -203,6 +204,30 @@ class ModelRunner:
             rows = [i for i, rid in enumerate(plan.rids) if rid not in skip]
             plan.flush(rows, [self.reqs[plan.rids[i]].slots[-n:] for i in rows])
         mx.eval(self.pool.arrays())
+
+
+def split_lm_head(model: nn.Module):
+    """(body, head) with head(body(x)) == model(x), so a prefill can project only the last
+    position of each row to the vocabulary instead of all of them. Models that do more than
+    a plain projection after the body keep (model, identity)."""
+
+    def identity(h):
+        return h
+
+    inner = getattr(model, "model", None)
+    args = getattr(model, "args", None)
+    if inner is None or args is None:
+        return model, identity
+    if getattr(args, "tie_word_embeddings", False):
+        head = inner.embed_tokens.as_linear
+    elif hasattr(model, "lm_head"):
+        head = model.lm_head
+    else:
+        return model, identity
+    x = mx.array([[1, 2, 3]])
+    if not mx.allclose(head(inner(x)), model(x), atol=1e-4).item():
+        return model, identity
+    return inner, head
 
 
 class _ProbeCache:
