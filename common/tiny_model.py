@@ -47,14 +47,20 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-ARCHES = ("qwen3", "llama")
+ARCHES = ("qwen3", "llama", "qwen2", "mistral")
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128),
     "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768),
 }
 
-_HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_HF_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_MLX_MODULES = {"mistral": "llama"}  # mlx-lm serves mistral with its llama module
 
 
 def default_cache_dir() -> Path:
@@ -184,7 +190,9 @@ def _random_weights(
     weights = {}
     for name in sorted(shapes):
         shape = shapes[name]
-        if len(shape) == 1:
+        if name.endswith(".bias"):  # qwen2's q/k/v biases
+            weights[name] = np.zeros(shape, dtype=np.float32)
+        elif len(shape) == 1:
             weights[name] = np.full(shape, _norm_gain(name, hidden), dtype=np.float32)
         else:
             std = np.float32(_param_std(name, shape, init_scale))
@@ -194,7 +202,8 @@ def _random_weights(
 
 def make_model(config: dict[str, Any], seed: int, init_scale: float) -> Any:
     """Instantiate the mlx-lm model class for ``config`` and fill in seeded weights."""
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    kind = config["model_type"]
+    module = importlib.import_module(f"mlx_lm.models.{_MLX_MODULES.get(kind, kind)}")
     mx.random.seed(seed)  # construction draws from mlx's RNG; every value is replaced below
     model = module.Model(module.ModelArgs.from_dict(config))
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
