@@ -217,3 +217,17 @@ def test_missing_model_path_fails_with_one_clear_line(tmp_path):
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if "model" in line.lower()]
     assert any(f"--model-path {missing}: no such model directory" in line for line in lines)
+
+
+def test_tcp_transport_serves_exact_tokens(tiny_model, tmp_path):
+    server = ServerProcess(
+        tiny_model, tmp_path / "log", extra=["--max-total-tokens", "512", "--transport", "tcp"]
+    )
+    server.start()
+    try:
+        prompt = _prompts(1, seed=5)[0]
+        assert _complete(server, prompt, 6)["choices"][0]["token_ids"] == mlx_greedy(
+            tiny_model, prompt, 6
+        )
+    finally:
+        assert server.stop() == 0
