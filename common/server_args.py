@@ -16,6 +16,7 @@ class ServerArgs:
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.8 if sys.platform == "darwin" else 0.5
     max_running_requests: int = 64
+    max_queued_requests: int = 4096
     chunked_prefill_size: int = 2048
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
@@ -38,6 +39,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:
             raise ValueError("--chunked-prefill-size must be >= 1")
         if self.schedule_policy not in ("lpm", "fcfs"):
@@ -67,6 +70,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="share of free memory the auto-sized KV pool may take",
     )
     a("--max-running-requests", type=int, default=d.max_running_requests)
+    a(
+        "--max-queued-requests",
+        type=int,
+        default=d.max_queued_requests,
+        help="requests in flight beyond which new ones get 503",
+    )
     a(
         "--chunked-prefill-size",
         type=int,

@@ -95,7 +95,9 @@ def _dead_child(children: dict) -> str | None:
 
 async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dict) -> int:
     metrics = Metrics()
-    manager = RouterManager(endpoints.scheduler_in, endpoints.router_in, tokenizer, metrics)
+    manager = RouterManager(
+        endpoints.scheduler_in, endpoints.router_in, tokenizer, metrics, args.max_queued_requests
+    )
     receiver = asyncio.create_task(manager.receive_loop())
     try:
         if not await _wait_ready(manager, children):

@@ -49,13 +49,16 @@ class _Pending:
 
 
 class RouterManager:
-    def __init__(self, scheduler_in: str, router_in: str, tokenizer, metrics=None):
+    def __init__(
+        self, scheduler_in: str, router_in: str, tokenizer, metrics=None, max_pending: int = 4096
+    ):
         self.ctx = zmq.asyncio.Context()
         self.to_scheduler = connect_push(self.ctx, scheduler_in)
         self.from_scheduler = bind_pull(self.ctx, router_in)
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.pending: dict[str, _Pending] = {}
+        self.max_pending = max_pending
         self.ready: SchedulerReady | None = None
         self.ready_event = asyncio.Event()
         self.stats: SchedulerStats | None = None
@@ -108,6 +111,12 @@ class RouterManager:
     ) -> AsyncIterator[TokenOut]:
         """Yield TokenOut increments until the finishing one; abort if the caller stops."""
         self.check_ready()
+        if len(self.pending) >= self.max_pending:
+            raise RequestError(
+                f"server overloaded: {len(self.pending)} requests in flight "
+                f"(--max-queued-requests {self.max_pending}); retry later",
+                "overloaded", 503,
+            )  # fmt: skip
         rid = rid or uuid.uuid4().hex
         if rid in self.pending:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")

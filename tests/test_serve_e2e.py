@@ -231,3 +231,25 @@ def test_tcp_transport_serves_exact_tokens(tiny_model, tmp_path):
         )
     finally:
         assert server.stop() == 0
+
+
+def test_overload_gets_503_and_others_keep_going(tiny_model, tmp_path):
+    server = ServerProcess(
+        tiny_model,
+        tmp_path / "log",
+        extra=["--max-total-tokens", "2048", "--max-queued-requests", "2"],
+    )
+    server.start()
+    body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    url = server.url + "/v1/completions"
+    try:
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", url, json=body) as a, http.stream("POST", url, json=body) as b:
+                assert a.status_code == 200 and b.status_code == 200
+                next(a.iter_lines()), next(b.iter_lines())
+                r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 503
+                assert "overloaded" in r.json()["error"]["message"]
+        assert _complete(server, [9, 9, 9], 3)["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert server.stop() == 0
