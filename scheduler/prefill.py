@@ -50,6 +50,8 @@ def build_prefill(
     token_budget = chunk_size
     kv_budget = kv.budget() - sum(int(r.remaining_new_tokens * new_token_ratio) for r in running)
     seats = max_running - len(running)
+    if seats <= 0:
+        return None  # a full running set: skip matching every waiting prompt
     batch = PrefillBatch([], [], 0, 0)
     candidates = [(chunked, chunked.cache_len)] if chunked else []
     candidates += order_waiting(waiting, kv, policy)
