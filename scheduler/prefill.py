@@ -49,14 +49,14 @@ def build_prefill(
     """Admit what fits; `chunked` (a prefill in progress) always goes first."""
     token_budget = chunk_size
     kv_budget = kv.budget() - sum(int(r.remaining_new_tokens * new_token_ratio) for r in running)
-    seats = max_running - len(running)
-    if seats <= 0:
+    seats = max_running - len(running) - (1 if chunked else 0)  # a chunked one holds a seat
+    if seats <= 0 and chunked is None:
         return None  # a full running set: skip matching every waiting prompt
     batch = PrefillBatch([], [], 0, 0)
     candidates = [(chunked, chunked.cache_len)] if chunked else []
     candidates += order_waiting(waiting, kv, policy)
     for req, matched in candidates:
-        if seats <= 0 or token_budget <= 0:
+        if token_budget <= 0 or (req is not chunked and seats <= 0):
             break
         new = req.seq_len - (req.num_computed if req is chunked else matched)
         if req is not chunked and _waits_for_twin(req, matched, batch.reqs):
@@ -78,7 +78,7 @@ def build_prefill(
         batch.cached_tokens += len(prefix)
         token_budget -= take
         kv_budget -= take + future
-        seats -= 1 if last else 0
+        seats -= 0 if req is chunked else 1
     return batch if batch.reqs else None
 
 

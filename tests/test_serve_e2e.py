@@ -237,19 +237,26 @@ def test_overload_gets_503_and_others_keep_going(tiny_model, tmp_path):
     server = ServerProcess(
         tiny_model,
         tmp_path / "log",
-        extra=["--max-total-tokens", "2048", "--max-queued-requests", "2"],
+        extra=["--max-total-tokens", "30000", "--max-queued-requests", "2"],
     )
     server.start()
-    body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # long enough that both stay in flight while the third arrives; closing aborts them
+    body = {"prompt": [5, 6, 7], "max_tokens": 14000, "ignore_eos": True, "stream": True}
     url = server.url + "/v1/completions"
     try:
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", url, json=body) as a, http.stream("POST", url, json=body) as b:
                 assert a.status_code == 200 and b.status_code == 200
-                next(a.iter_lines()), next(b.iter_lines())
+                lines = [a.iter_lines(), b.iter_lines()]  # dropping them would disconnect
+                assert all(next(it).startswith("data: ") for it in lines)
                 r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2})
                 assert r.status_code == 503
                 assert "overloaded" in r.json()["error"]["message"]
-        assert _complete(server, [9, 9, 9], 3)["choices"][0]["finish_reason"] == "length"
+        # the closed streams are aborted once the server notices the disconnects
+        deadline = time.monotonic() + 10
+        while (r := httpx.post(url, json={"prompt": [9, 9], "max_tokens": 3})).status_code == 503:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        assert r.json()["choices"][0]["finish_reason"] == "length"
     finally:
         assert server.stop() == 0
