@@ -133,9 +133,10 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise _type_error(where, "list", value)
         (item,) = typing.get_args(hint) or (Any,)
-        if item is int:  # the hot path: token ids and slot ids
-            if not all(type(x) is int for x in value):
-                raise FieldTypeError(f"{where}: expected a list of int")
+        if item in (int, str):  # the hot path: token ids, slot ids, request ids
+            if not all(type(x) is item for x in value):
+                i = next(i for i, x in enumerate(value) if type(x) is not item)
+                raise _type_error(f"{where}[{i}]", item.__name__, value[i])
             return value
         return [_check(item, x, f"{where}[{i}]") for i, x in enumerate(value)]
     if origin is dict:

@@ -79,9 +79,9 @@ SP_FULL = SamplingParams(
     logprobs=True,
     top_logprobs=5,
 )
-TOP_LOGPROBS = [
-    {"token_id": 5, "logprob": -0.125, "top": [[5, -0.125], [9, -2.5]]},
-    {"token_id": 6, "logprob": -1.0, "top": []},
+TOP_LOGPROBS = [  # per token: [[token_id, logprob], ...]
+    [[5, -0.125], [9, -2.5]],
+    [],
 ]
 TOKEN_OUT_FULL = TokenOut(
     rid="t1",
@@ -452,14 +452,14 @@ BAD_TYPES = [
     (GEN, ["sampling", "temperature"], "hot", R_SR, "GenerateReq.sampling.temperature"),
     (GEN, ["sampling", "top_p"], None, R_SR, "GenerateReq.sampling.top_p"),
     # list[int] and its elements
-    (GEN, ["input_ids"], [1, "2"], R_SR, "GenerateReq.input_ids"),
-    (GEN, ["input_ids"], [1, 2.0], R_SR, "GenerateReq.input_ids"),
-    (GEN, ["input_ids"], [1, True], R_SR, "GenerateReq.input_ids"),
-    (GEN, ["input_ids"], [None], R_SR, "GenerateReq.input_ids"),
+    (GEN, ["input_ids"], [1, "2"], R_SR, "GenerateReq.input_ids[1]"),
+    (GEN, ["input_ids"], [1, 2.0], R_SR, "GenerateReq.input_ids[1]"),
+    (GEN, ["input_ids"], [1, True], R_SR, "GenerateReq.input_ids[1]"),
+    (GEN, ["input_ids"], [None], R_SR, "GenerateReq.input_ids[0]"),
     (GEN, ["input_ids"], "123", R_SR, "GenerateReq.input_ids"),
     (GEN, ["input_ids"], {"a": 1}, R_SR, "GenerateReq.input_ids"),
-    (GEN, ["sampling", "stop_token_ids"], [2, "x"], R_SR, "GenerateReq.sampling.stop_token_ids"),
-    (CGEN, ["input_ids"], [1, "x"], R_FD, "ClientGenerate.input_ids"),  # Optional[list[int]]
+    (GEN, ["sampling", "stop_token_ids"], [2, "x"], R_SR, "GenerateReq.sampling.stop_token_ids[1]"),
+    (CGEN, ["input_ids"], [1, "x"], R_FD, "ClientGenerate.input_ids[1]"),  # Optional[list[int]]
     # list[str] / list[float] / list[dict] elements
     (EXAMPLES[DecodeBatch][0], ["rids", 1], 1, R_WI, "DecodeBatch.rids[1]"),
     (EXAMPLES[StepResult][0], ["logprobs", 1], "x", R_SW, "StepResult.logprobs[1]"),
@@ -475,10 +475,10 @@ BAD_TYPES = [
     (EXT, ["reqs"], [5], R_WI, "ExtendBatch.reqs[0]"),
     (EXT, ["reqs"], {"rid": "x"}, R_WI, "ExtendBatch.reqs"),
     (EXT, ["release", 1], "y", R_WI, "ExtendBatch.release[1]"),
-    (EXT, ["reqs", 0, "input_ids"], [1, "a"], R_WI, "ExtendBatch.reqs[0].input_ids"),
+    (EXT, ["reqs", 0, "input_ids"], [1, "a"], R_WI, "ExtendBatch.reqs[0].input_ids[1]"),
     (TOB, ["outputs", 1, "token_ids"], 5, R_RI, "TokenOutBatch.outputs[1].token_ids"),
     (TOB, ["outputs", 0, "finish_reason"], 3, R_RI, "TokenOutBatch.outputs[0].finish_reason"),
-    (TOB, ["outputs", 0, "top_logprobs"], [[1]], R_RI, "TokenOutBatch.outputs[0].top_logprobs[0]"),
+    (TOB, ["outputs", 0, "top_logprobs"], [{}], R_RI, "TokenOutBatch.outputs[0].top_logprobs[0]"),
 ]
 
 
