@@ -56,6 +56,11 @@ class KVCacheManager:
         else:
             m = self.tree.match_prefix(fill[: len(fill) - 1])
             self.tree.inc_lock_ref(m.last_node)
+            # Every chunk must fit once the prefix is locked (the admission budget counted it
+            # as evictable): a half-prefilled request cannot be retracted to make room.
+            if self.budget() < len(fill) - len(m.slot_ids):
+                self.tree.dec_lock_ref(m.last_node)
+                return None
             locs = self.alloc(new_len)
             if locs is None:
                 self.tree.dec_lock_ref(m.last_node)
