@@ -68,9 +68,9 @@ class SchedulerProcess:
             batch = sched.next_batch()
             if batch is not None:
                 self.to_worker.send(encode(batch))
-                if not isinstance(batch, ReleaseBatch):
-                    sched.on_result(self._wait_result(batch))
-            self._send_outputs()
+            self._send_outputs()  # the last step's tokens go out while the worker computes
+            if batch is not None and not isinstance(batch, ReleaseBatch):
+                sched.on_result(self._wait_result(batch))
 
     def _wait_worker_ready(self) -> WorkerReady:
         while True:
