@@ -18,6 +18,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_queued_requests: int = 4096
     chunked_prefill_size: int = 2048
+    prefill_step_size: int | None = None
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     context_length: int | None = None
@@ -43,6 +44,8 @@ class ServerArgs:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:
             raise ValueError("--chunked-prefill-size must be >= 1")
+        if self.prefill_step_size is not None and self.prefill_step_size < 1:
+            raise ValueError("--prefill-step-size must be >= 1")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError("--schedule-policy must be lpm or fcfs")
         if self.transport not in ("ipc", "tcp"):
@@ -81,6 +84,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=d.chunked_prefill_size,
         help="most prompt tokens computed in one prefill step",
+    )
+    a(
+        "--prefill-step-size",
+        type=int,
+        default=None,
+        help="worker tokens per prefill forward pass and row (default 256 on CPU, 2048 on Metal)",
     )
     a("--schedule-policy", choices=["lpm", "fcfs"], default=d.schedule_policy)
     a("--disable-radix-cache", action="store_true", help="never reuse a cached prefix")

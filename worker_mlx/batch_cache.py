@@ -110,8 +110,11 @@ class DecodePlan:
             self._grow()
         positions = [self.idx - p for p in self.left_pad]
         self.offset = positions[0] if len(positions) == 1 else mx.array(positions, mx.int32)
-        cols = mx.arange(self.idx + 1)
-        self.mask = (cols[None, :] >= self._left_pad_arr[:, None])[:, None, None, :]
+        if max(self.left_pad) == 0:
+            self.mask = None  # no padding to hide: let attention take its unmasked path
+        else:
+            cols = mx.arange(self.idx + 1)
+            self.mask = (cols[None, :] >= self._left_pad_arr[:, None])[:, None, None, :]
 
     def end_step(self) -> None:
         self.idx += 1

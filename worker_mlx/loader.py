@@ -9,7 +9,7 @@ import mlx.core as mx
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
 from common.server_args import ServerArgs
 from worker_mlx.kv_pool import MlxKVPool, pool_size
-from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+from worker_mlx.model_runner import DEFAULT_PREFILL_STEP, ModelRunner, probe_kv_layout
 
 logger = logging.getLogger("worker")
 
@@ -48,7 +48,8 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
             "this model's attention cannot run batched with per-row offsets: every request "
             "runs as its own batch (correct, but slower)"
         )
-    runner = ModelRunner(model, pool, vocab_size, seed=args.seed, batched=batched)
+    step = args.prefill_step_size or DEFAULT_PREFILL_STEP
+    runner = ModelRunner(model, pool, vocab_size, args.seed, batched, prefill_step=step)
     ready = WorkerReady(
         num_slots=num_slots,
         model_type=model_type,
