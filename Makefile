@@ -53,8 +53,10 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 bench: setup
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m scheduler.bench_scheduler
 	$(PY) -m worker_mlx.bench_one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64
+	$(PY) -m router.bench_serving --suite standard
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,515 @@
+"""Results of `router.bench_serving`: per-run metrics, tables, JSONL lines, comparison, plots.
+
+Everything here is computed from client-side timestamps and the servers' own usage
+counts, so the same code judges every backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from router.bench_workloads import WorkloadSpec
+
+REFERENCE = "mlx-lm"
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it (times in seconds)."""
+
+    label: str
+    prompt_len: int
+    requested_len: int
+    ok: bool = False
+    error: str = ""
+    output_len: int = 0  # the server's completion_tokens (or the streamed count)
+    streamed_tokens: int | None = None  # token ids seen in chunks; None if not sent
+    reported_prompt_len: int | None = None
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+
+
+@dataclass
+class RunResult:
+    """One workload against one backend at one concurrency and rate."""
+
+    backend: str
+    transport: str
+    workload: WorkloadSpec
+    max_concurrency: int | None
+    request_rate: float
+    duration: float
+    requests: list[RequestResult]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def load_key(self) -> str:
+        """Which runs are comparable: same load, different backend."""
+        return f"{self.workload.key()} c{self.max_concurrency or 'inf'} r{self.request_rate}"
+
+
+@dataclass
+class Target:
+    """An issue target: value(num) / value(den) `op` bound, on one load."""
+
+    label: str
+    workload: str
+    concurrency: int | None
+    num: tuple[str, str]  # (backend, metric)
+    den: tuple[str, str]
+    op: str  # ">=" or "<="
+    bound: float
+
+
+BUSY_CORES = 0.25  # more CPU than this used by other processes disturbs a run
+
+
+class CpuMeter:
+    """CPU the machine spent outside this benchmark (client + the server tree it started),
+    so a run disturbed by other work on a small machine is flagged, not silently reported."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self.start = (time.perf_counter(), _machine_busy(), _tree_cpu(pids))
+
+    def foreign_cores(self) -> float | None:
+        """Average cores used by other processes since construction (None off Linux)."""
+        t0, busy0, ours0 = self.start
+        busy, ours = _machine_busy(), _tree_cpu(self.pids)
+        if busy is None or busy0 is None:
+            return None
+        return max(0.0, (busy - busy0) - (ours - ours0)) / max(time.perf_counter() - t0, 1e-9)
+
+
+def _machine_busy() -> float | None:
+    """Busy CPU seconds of the whole machine, from /proc/stat."""
+    try:
+        fields = open("/proc/stat").readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    guest = sum(ticks[8:10])  # already counted in user and nice
+    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu(roots: list[int]) -> float:
+    """CPU seconds used so far by `roots` and all their descendants."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                rest = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])))
+    ours, frontier = set(), [p for p in roots if p in stats]
+    while frontier:
+        pid = frontier.pop()
+        ours.add(pid)
+        frontier += [c for c, (ppid, _) in stats.items() if ppid == pid and c not in ours]
+    return sum(stats[p][1] for p in ours) / os.sysconf("SC_CLK_TCK")
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """Mean, median and p99 in ms (zeros when there is nothing to measure)."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    a = np.asarray(values) * scale
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "p99": float(np.percentile(a, 99)),
+    }
+
+
+def compute_metrics(run: RunResult) -> dict[str, Any]:
+    """SGLang's serving metrics plus the consistency checks this tool promises."""
+    ok = [r for r in run.requests if r.ok]
+    inp, out = sum(r.prompt_len for r in ok), sum(r.output_len for r in ok)
+    dur = max(run.duration, 1e-9)
+    m: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(run.requests) - len(ok),
+        "errors": sorted({r.error for r in run.requests if not r.ok})[:5],
+        "duration_s": run.duration,
+        "total_input_tokens": inp,
+        "total_output_tokens": out,
+        "requested_output_tokens": sum(r.requested_len for r in ok),
+        "request_throughput": len(ok) / dur,
+        "input_throughput": inp / dur,
+        "output_throughput": out / dur,
+        "total_throughput": (inp + out) / dur,
+        "concurrency": sum(r.latency for r in ok) / dur,
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "cached_share": sum(r.cached_tokens for r in ok) / max(inp, 1),
+        "short_outputs": sum(r.output_len != r.requested_len for r in ok),
+        "prompt_len_mismatches": sum(
+            r.reported_prompt_len is not None and r.reported_prompt_len != r.prompt_len for r in ok
+        ),
+        "stream_count_mismatches": sum(
+            r.streamed_tokens is not None and r.streamed_tokens != r.output_len for r in ok
+        ),
+    }
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("itl", [x for r in ok for x in r.itls]),
+        ("tpot", [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]),
+        ("e2e", [r.latency for r in ok]),
+    ):
+        for stat, v in _stats(values).items():
+            m[f"{stat}_{name}_ms"] = v
+    m["ttft_by_label_ms"] = _by_label(ok)
+    m["first_token_held_by_mlx_lm"] = run.info.get("first_token_held_by_mlx_lm")
+    m["foreign_cpu_cores"] = run.info.get("foreign_cpu_cores")
+    return m
+
+
+def _by_label(ok: list[RequestResult]) -> dict[str, float]:
+    """Median TTFT per label (cold/warm, turn1..n) when a run has more than one."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for r in ok:
+        groups[r.label].append(r.ttft)
+    if len(groups) < 2:
+        return {}
+    return {k: float(np.median(v)) * 1000 for k, v in groups.items()}
+
+
+def format_table(run: RunResult, m: dict[str, Any]) -> str:
+    """The result block SGLang's bench_serving prints, plus cache and sanity lines."""
+    rows: list[tuple[str, Any]] = [
+        ("Backend", f"{run.backend} ({run.transport})"),
+        ("Workload", run.workload.key()),
+        ("Traffic request rate", run.request_rate),
+        ("Max request concurrency", run.max_concurrency or "not set"),
+        ("Successful requests", m["completed"]),
+        ("Failed requests", m["failed"]),
+        ("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
+        ("Total input tokens", m["total_input_tokens"]),
+        ("Total generated tokens", m["total_output_tokens"]),
+        ("Requested generated tokens", m["requested_output_tokens"]),
+        ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
+        ("Input token throughput (tok/s)", f"{m['input_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{m['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{m['total_throughput']:.2f}"),
+        ("Concurrency", f"{m['concurrency']:.2f}"),
+        ("Cached-token share", f"{m['cached_share']:.1%}"),
+    ]
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    lines += [f"{k + ':':<42}{v}" for k, v in rows]
+    for title, key in (
+        ("End-to-End Latency", "e2e"),
+        ("Time to First Token", "ttft"),
+        ("Time per Output Token (excl. 1st token)", "tpot"),
+        ("Inter-Token Latency", "itl"),
+    ):
+        lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
+        for stat in ("mean", "median", "p99"):
+            lines.append(
+                f"{f'{stat.capitalize()} {key.upper()} (ms):':<42}{m[f'{stat}_{key}_ms']:.2f}"
+            )
+    for label, v in m["ttft_by_label_ms"].items():
+        lines.append(f"{f'Median TTFT {label} (ms):':<42}{v:.2f}")
+    lines += _warnings(m)
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _warnings(m: dict[str, Any]) -> list[str]:
+    """Loud lines for anything that makes the numbers inconsistent."""
+    out = [f"FAILED: {m['failed']} request(s): {e}" for e in m["errors"][:1] if m["failed"]]
+    out += [f"  error: {e}" for e in m["errors"][1:]]
+    if m["short_outputs"]:
+        out.append(f"WARNING: {m['short_outputs']} request(s) got a different output length")
+    if m["prompt_len_mismatches"]:
+        out.append(f"WARNING: server counted other prompt lengths for {m['prompt_len_mismatches']}")
+    if m["stream_count_mismatches"]:
+        out.append(f"WARNING: streamed tokens != usage for {m['stream_count_mismatches']}")
+    foreign = m.get("foreign_cpu_cores")
+    if foreign is not None and foreign > BUSY_CORES:
+        out.append(f"WARNING: other processes used {foreign:.2f} CPU cores during this run")
+    return out
+
+
+def jsonl_row(run: RunResult, m: dict[str, Any]) -> dict[str, Any]:
+    """One self-describing line: the load, the backend, the machine, the numbers."""
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "backend": run.backend,
+        "transport": run.transport,
+        "workload": run.workload.name,
+        "workload_params": run.workload.params,
+        "max_concurrency": run.max_concurrency,
+        "request_rate": run.request_rate,
+        **run.info,
+        **m,
+        "ttfts_ms": [round(r.ttft * 1000, 3) for r in run.requests if r.ok],
+    }
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+COMPARE_ROWS = (
+    ("output tok/s", "output_throughput", "{:.1f}"),
+    ("TTFT p50 ms", "median_ttft_ms", "{:.1f}"),
+    ("TTFT p99 ms", "p99_ttft_ms", "{:.1f}"),
+    ("ITL p50 ms", "median_itl_ms", "{:.2f}"),
+    ("E2E p50 ms", "median_e2e_ms", "{:.1f}"),
+    ("cached share", "cached_share", "{:.1%}"),
+)
+
+
+def metric(m: dict[str, Any], name: str) -> float:
+    """A comparison metric, including per-label TTFTs like `ttft_warm`."""
+    if name.startswith("ttft_") and name[5:] in m["ttft_by_label_ms"]:
+        return m["ttft_by_label_ms"][name[5:]]
+    return float(m[name])
+
+
+def comparison_table(results: list[tuple[RunResult, dict]]) -> str:
+    """Side by side per load, with each backend ÷ mlx_lm.server."""
+    groups: dict[str, dict[str, dict]] = defaultdict(dict)
+    for run, m in results:
+        groups[run.load_key()][run.backend] = m
+    backends = list(dict.fromkeys(run.backend for run, _ in results))
+    others = [b for b in backends if b != REFERENCE]
+    ratio_cols = [f"{b}÷{REFERENCE}" for b in others] if REFERENCE in backends else []
+    widths = [max(12, len(c) + 2) for c in backends + ratio_cols]
+    head = f"{'load / metric':<34}" + "".join(
+        f"{c:>{w}}" for c, w in zip(backends + ratio_cols, widths)
+    )
+    lines = [head, "-" * len(head)]
+    for key, per in groups.items():
+        lines.append(key)
+        for title, name, fmt in _rows_for(per):
+            cells = [fmt.format(metric(per[b], name)) if b in per else "-" for b in backends]
+            cells += [_ratio(per, b, name) for b in others] if ratio_cols else []
+            lines.append(f"  {title:<32}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+        lines += _held_note(per)
+        busy = [
+            f"{b} {m['foreign_cpu_cores']:.2f}"
+            for b, m in per.items()
+            if (m.get("foreign_cpu_cores") or 0) > BUSY_CORES
+        ]
+        if busy:
+            lines.append(f"  WARNING: other processes' CPU cores during: {', '.join(busy)}")
+    return "\n".join(lines)
+
+
+def _held_note(per: dict[str, dict]) -> list[str]:
+    """mlx_lm.server streams text, not ids: a first token that is a partial UTF-8 byte
+    (or a lone space) is held back, so its TTFT includes one more decode step."""
+    held = [(b, m["first_token_held_by_mlx_lm"]) for b, m in per.items() if b != REFERENCE]
+    held = [(b, n) for b, n in held if n]
+    if REFERENCE not in per or not held:
+        return []
+    b, n = held[0]
+    return [
+        f"  note: {n}/{per[b]['completed']} first tokens ({b}'s greedy output) are ones "
+        f"{REFERENCE} holds back a decode step before streaming"
+    ]
+
+
+def _rows_for(per: dict[str, dict]) -> list[tuple[str, str, str]]:
+    labels = set().union(*(m["ttft_by_label_ms"].keys() for m in per.values()))
+    extra = [
+        (f"TTFT {lab} ms", f"ttft_{lab}", "{:.1f}") for lab in ("cold", "warm") if lab in labels
+    ]
+    return list(COMPARE_ROWS) + extra
+
+
+def _ratio(per: dict[str, dict], backend: str, name: str) -> str:
+    """backend ÷ mlx_lm.server; none for shares, where a ratio of near-zeros means nothing."""
+    if backend not in per or REFERENCE not in per or name == "cached_share":
+        return "-"
+    den = metric(per[REFERENCE], name)
+    return f"{metric(per[backend], name) / den:.2f}x" if den else "-"
+
+
+def check_targets(results: list[tuple[RunResult, dict]], targets: list[Target]) -> list[str]:
+    """One line per target: the measured ratio and whether it holds."""
+    lines = []
+    for t in targets:
+        found = {
+            run.backend: m
+            for run, m in results
+            if run.workload.name == t.workload and run.max_concurrency == t.concurrency
+        }
+        try:
+            value = metric(found[t.num[0]], t.num[1]) / metric(found[t.den[0]], t.den[1])
+        except (KeyError, ZeroDivisionError):
+            lines.append(f"  [ n/a ] {t.label}: a run is missing")
+            continue
+        ok = value >= t.bound if t.op == ">=" else value <= t.bound
+        lines.append(f"  [{'met' if ok else 'MISS':^5}] {t.label}: {value:.3f} ({t.op} {t.bound})")
+    return lines
+
+
+def save_plots(results: list[tuple[RunResult, dict]], out_dir: Path) -> list[Path]:
+    """Throughput vs concurrency and TTFT distributions; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; skipping plots (pip install matplotlib)")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [_throughput_plot(plt, results, out_dir / "throughput_vs_concurrency.png")]
+    paths.append(_ttft_plot(plt, results, out_dir / "ttft_distribution.png"))
+    return [p for p in paths if p is not None]
+
+
+def _sweep_key(run: RunResult) -> str:
+    params = {k: v for k, v in run.workload.params.items() if k != "num_prompts"}
+    return f"{run.workload.name} {'-'.join(map(str, params.values()))}"
+
+
+def _throughput_plot(plt, results, path: Path) -> Path | None:
+    lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+    for run, m in results:
+        conc = run.max_concurrency or len(run.requests)
+        lines[(_sweep_key(run), run.backend)].append((conc, m["output_throughput"]))
+    lines = {k: sorted(v) for k, v in lines.items() if len(v) > 1}
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (load, backend), pts in lines.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{backend}: {load}")
+    ax.set(xlabel="max concurrency", ylabel="output tokens/s", title="Output throughput")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ttft_plot(plt, results, path: Path) -> Path | None:
+    loads: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for run, _ in results:
+        for r in run.requests:
+            if r.ok:
+                name = f"{run.backend} {r.label}" if run.workload.name == "repeat" else run.backend
+                loads[run.load_key()].setdefault(name, []).append(r.ttft * 1000)
+    if not loads:
+        return None
+    cols = min(3, len(loads))
+    rows = -(-len(loads) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax, (key, per) in zip(axes.flat, loads.items()):
+        ax.boxplot(list(per.values()), showfliers=True)
+        ax.set_xticks(range(1, len(per) + 1), list(per.keys()), rotation=20, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(key, fontsize=8)
+        ax.set_ylabel("TTFT (ms)")
+        ax.grid(alpha=0.3, axis="y")
+    for ax in list(axes.flat)[len(loads) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+STANDARD_TARGETS = [
+    Target(
+        "shared-prefix c8 output tok/s ÷ mlx-lm",
+        "generated-shared-prefix",
+        8,
+        ("radix-mlx", "output_throughput"),
+        (REFERENCE, "output_throughput"),
+        ">=",
+        2.5,
+    ),
+    Target(
+        "shared-prefix c8 TTFT p50 ÷ mlx-lm",
+        "generated-shared-prefix",
+        8,
+        ("radix-mlx", "median_ttft_ms"),
+        (REFERENCE, "median_ttft_ms"),
+        "<=",
+        0.3,
+    ),
+    Target(
+        "multi-turn c8 TTFT p50 ÷ mlx-lm",
+        "multi-turn",
+        8,
+        ("radix-mlx", "median_ttft_ms"),
+        (REFERENCE, "median_ttft_ms"),
+        "<=",
+        0.5,
+    ),
+    Target(
+        "repeat warm TTFT ÷ mlx-lm warm TTFT",
+        "repeat",
+        1,
+        ("radix-mlx", "ttft_warm"),
+        (REFERENCE, "ttft_warm"),
+        "<=",
+        0.5,
+    ),
+    Target(
+        "repeat warm TTFT ÷ own cold TTFT",
+        "repeat",
+        1,
+        ("radix-mlx", "ttft_warm"),
+        ("radix-mlx", "ttft_cold"),
+        "<=",
+        0.02,
+    ),
+    Target(
+        "random c8 output tok/s ÷ mlx-lm",
+        "random",
+        8,
+        ("radix-mlx", "output_throughput"),
+        (REFERENCE, "output_throughput"),
+        ">=",
+        1.2,
+    ),
+]
+
+
+def held_first_tokens(tokenizer, reqs: list[RequestResult]) -> int | None:
+    """Requests whose first token mlx_lm.server's detokenizer would hold back (partial UTF-8
+    or a lone space), so its first text chunk comes a decode step late: a TTFT caveat."""
+    firsts = [r.output_ids[0] for r in reqs if r.output_ids]
+    if not firsts:
+        return None
+    return sum(
+        tokenizer.decode([t]).endswith("\ufffd") or tokenizer.decode([t]) == " " for t in firsts
+    )
+
+
+def report(results: list[tuple[RunResult, dict]], args) -> int:
+    """Comparison, targets, plots; exit status 1 if any request failed."""
+    print("\n" + comparison_table(results))
+    if args.suite == "standard":
+        print("\nissue targets (radix-mlx, small model):")
+        print("\n".join(check_targets(results, STANDARD_TARGETS)))
+    if not args.no_plots:
+        for path in save_plots(results, Path(args.output_dir)):
+            print(f"plot: {path}")
+    failed = sum(m["failed"] for _, m in results)
+    if failed:
+        print(f"\n{failed} request(s) failed; see the tables above", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,457 @@
+"""Serving benchmark: radix-mlx side by side with mlx_lm.server on the same prompts.
+
+    python -m router.bench_serving --backend all --workload generated-shared-prefix \
+        --preset small --max-concurrency 8
+    python -m router.bench_serving --suite standard        # what `make bench` runs
+
+An asyncio load generator speaking the OpenAI HTTP API (or radix-mlx's ZMQ SDK with
+`--transport sdk`). It starts each backend itself on free loopback ports (or uses
+`--base-url`), sends every backend identical prompts, and measures on the client side:
+TTFT is the time to the first chunk that carries a token. Results go to stdout (one
+SGLang-style table per run and a comparison with ratios against mlx_lm.server), to
+bench_results/serving.jsonl (one line per run) and to PNG plots in bench_results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+
+from common.blas import OPENBLAS_PATHS
+from common.ipc import free_ports
+from router.bench_report import (
+    CpuMeter,
+    RequestResult,
+    RunResult,
+    append_jsonl,
+    compute_metrics,
+    format_table,
+    held_first_tokens,
+    jsonl_row,
+    report,
+)
+from router.bench_workloads import (
+    WORKLOADS,
+    Clock,
+    Progress,
+    Prompt,
+    PromptFactory,
+    WorkloadSpec,
+    build_sessions,
+    run_sessions,
+    spec_from_args,
+    standard_suite,
+)
+
+BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm")
+RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
+# mlx_lm.server with OpenBLAS loaded first, as radix-mlx's worker does: same BLAS for both.
+MLX_LM_MAIN = (
+    "from common.blas import preload_openblas; preload_openblas(); import runpy; "
+    "runpy.run_module('mlx_lm.server', run_name='__main__', alter_sys=True)"
+)
+
+
+@dataclass
+class Endpoint:
+    """A running server: which kind it is (decides the prompt form) and where it listens."""
+
+    backend: str
+    url: str
+    zmq_address: str | None = None
+    pid: int | None = None  # a server the bench started: its CPU is not "other work"
+
+
+@dataclass
+class PlannedRun:
+    backend: str
+    spec: WorkloadSpec
+    max_concurrency: int | None
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class ManagedServer:
+    """A backend the bench starts on free loopback ports and always stops."""
+
+    def __init__(self, backend: str, model: str, log_dir: Path, extra: list[str]):
+        self.backend = backend
+        self.port, self.zmq_port = free_ports(2)
+        self.hf_cache = tempfile.mkdtemp(prefix="bench-hf-")  # mlx_lm.server needs one offline
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=self.hf_cache)
+        self.log_path = log_dir / f"{backend}.log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # fmt: off
+        if backend == "mlx-lm":
+            self.cmd = [sys.executable, "-c", MLX_LM_MAIN, "--model", model,
+                        "--host", "127.0.0.1", "--port", str(self.port)]
+        else:
+            self.cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(self.port),
+                        "--zmq-port", str(self.zmq_port), *extra]
+        # fmt: on
+            if backend == "radix-mlx-no-cache":
+                self.cmd.append("--disable-radix-cache")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        zmq = f"tcp://127.0.0.1:{self.zmq_port}" if self.backend != "mlx-lm" else None
+        pid = self.proc.pid if self.proc is not None else None
+        return Endpoint(self.backend, f"http://127.0.0.1:{self.port}", zmq, pid)
+
+    def start(self, timeout: float = 300) -> Endpoint:
+        """Spawn and wait for /health; the log is shown if it dies first."""
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.backend} exited early:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.endpoint.url + "/health", timeout=2).status_code == 200:
+                    return self.endpoint
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.backend} did not become healthy:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.hf_cache, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- transports
+
+
+class HttpSender:
+    """POST /v1/completions with SSE; text prompts for servers that only take text."""
+
+    def __init__(self, url: str, text_prompts: bool, connections: int):
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        timeout = httpx.Timeout(1800, connect=30)
+        self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout)
+        self.text_prompts = text_prompts
+
+    async def send(self, prompt: Prompt, out_len: int, res: RequestResult, clock: Clock) -> None:
+        body = {
+            "prompt": prompt.text if self.text_prompts else prompt.ids,
+            "max_tokens": out_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators and mlx_lm.server's ": keepalive" comments
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                self._event(json.loads(data), res, clock)
+        res.error = res.error or "stream ended without [DONE]"
+
+    @staticmethod
+    def _event(ev: dict, res: RequestResult, clock: Clock) -> None:
+        if "error" in ev:
+            res.error = str(ev["error"])[:300]
+        for choice in ev.get("choices") or []:
+            ids = choice.get("token_ids")
+            text = choice.get("text") or ""
+            res.output_text += text
+            if ids is not None:
+                res.output_ids += ids
+                res.streamed_tokens = (res.streamed_tokens or 0) + len(ids)
+            n = len(ids) if ids is not None else int(bool(text))  # text-only: 1 per chunk
+            if n:
+                clock.tokens(res, n)
+        if ev.get("usage"):
+            _usage(
+                res,
+                ev["usage"]["prompt_tokens"],
+                ev["usage"]["completion_tokens"],
+                (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            )
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class SdkSender:
+    """radix-mlx's ZMQ SDK: token ids in, token ids out, one shared connection."""
+
+    def __init__(self, address: str):
+        from router.client import AsyncClient
+
+        self.client = AsyncClient(address, timeout=1800)
+
+    async def send(self, prompt: Prompt, out_len: int, res: RequestResult, clock: Clock) -> None:
+        usage = None
+        async for chunk in self.client.stream(
+            input_ids=prompt.ids, max_new_tokens=out_len, temperature=0, ignore_eos=True
+        ):
+            if chunk.token_ids:
+                clock.tokens(res, len(chunk.token_ids))
+                res.output_ids += chunk.token_ids
+                res.streamed_tokens = (res.streamed_tokens or 0) + len(chunk.token_ids)
+            res.output_text += chunk.text
+            usage = chunk.usage
+        if usage is not None:
+            _usage(res, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _usage(res: RequestResult, prompt: int, completion: int, cached: int | None) -> None:
+    res.reported_prompt_len, res.output_len, res.cached_tokens = prompt, completion, cached or 0
+
+
+def make_sender(ep: Endpoint, transport: str, connections: int):
+    if transport == "sdk":
+        if ep.backend == "mlx-lm" or not ep.zmq_address:
+            raise ValueError("--transport sdk needs a radix-mlx backend and its ZMQ address")
+        return SdkSender(ep.zmq_address)
+    return HttpSender(ep.url, text_prompts=ep.backend == "mlx-lm", connections=connections)
+
+
+async def bench_run(
+    ep: Endpoint,
+    transport: str,
+    spec: WorkloadSpec,
+    tokenizer,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    progress: bool = True,
+    info: dict | None = None,
+) -> RunResult:
+    """One workload against one endpoint. Same seed and load, same prompts on every backend;
+    another load (even the same workload at another concurrency) shares no prefix with it."""
+    load = f"{spec.key()} c{max_concurrency} r{request_rate}"
+    factory = PromptFactory(tokenizer, f"{seed}:{load}")
+    sessions = build_sessions(spec, factory)
+    transport = "http" if ep.backend == "mlx-lm" else transport
+    sender = make_sender(ep, transport, max_concurrency or len(sessions) + 1)
+    meter = CpuMeter([os.getpid()] + ([ep.pid] if ep.pid else []))
+    bar = Progress(sum(len(s.turns) for s in sessions), f"{ep.backend} {spec.name}", progress)
+    try:
+        text = ep.backend == "mlx-lm"
+        reqs, dur = await run_sessions(
+            sessions, sender, factory, text, max_concurrency, request_rate, seed, bar
+        )
+    finally:
+        bar.close()
+        await sender.close()
+    held = held_first_tokens(tokenizer, reqs)
+    foreign = meter.foreign_cores() if ep.pid else None
+    info = dict(info or {}, first_token_held_by_mlx_lm=held, foreign_cpu_cores=foreign)
+    return RunResult(ep.backend, transport, spec, max_concurrency, request_rate, dur, reqs, info)
+
+
+async def warm_up(ep: Endpoint, transport: str, tokenizer, n: int) -> None:
+    """A few short unrelated requests so lazy loading and first-call costs are not measured."""
+    if n <= 0:
+        return
+    spec = WorkloadSpec("random", dict(num_prompts=n, input_len=16, output_len=4, range_ratio=1.0))
+    run = await bench_run(ep, transport, spec, tokenizer, n, seed=987654, progress=False)
+    bad = [r.error for r in run.requests if not r.ok]
+    if bad:
+        raise RuntimeError(f"{ep.backend} failed its warm-up request: {bad[0]}")
+
+
+# --------------------------------------------------------------------------- plan and CLI
+
+
+def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
+    """The suite's runs, or the one workload from the flags on each chosen backend."""
+    if args.suite == "standard":
+        return [
+            PlannedRun(b, spec, c)
+            for spec, concs, backends in standard_suite()
+            for b in backends
+            for c in concs
+        ]
+    backends = BACKENDS if args.backend == "all" else (args.backend,)
+    spec = spec_from_args(args)
+    return [PlannedRun(b, spec, c) for b in backends for c in args.max_concurrency or [None]]
+
+
+def machine_info(model: str, args: argparse.Namespace) -> dict:
+    """What the numbers were measured on, stored with every JSONL line."""
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), ""
+    )
+    blas = next((p for p in OPENBLAS_PATHS if os.path.exists(p)), "mlx bundled BLAS")
+    versions = {pkg: _version(pkg) for pkg in ("mlx", "mlx-lm", "radix-mlx")}
+    return {
+        "model": model,
+        "preset": args.preset,
+        "seed": args.seed,
+        "blas": blas,
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, {cpu}",
+        "versions": versions,
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model_path:
+        return args.model_path
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(preset=args.preset))
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+async def run_backend(
+    backend: str, runs: list[PlannedRun], args, model: str, tokenizer, info: dict
+) -> list[tuple[RunResult, dict]]:
+    """Start (or reach) one backend, run its share of the plan, always stop it."""
+    server = None
+    if args.base_url:
+        ep = Endpoint(backend, args.base_url.rstrip("/"), args.zmq_address)
+    else:
+        server = ManagedServer(backend, model, Path(args.output_dir) / "logs", args.server_args)
+        print(f"starting {backend}: {shlex.join(server.cmd)}", flush=True)
+        ep = await asyncio.to_thread(server.start)
+    opts = dict(request_rate=args.request_rate, seed=args.seed, progress=not args.no_progress)
+    out = []
+    try:
+        await warm_up(ep, args.transport, tokenizer, args.warmup_requests)
+        for pr in runs:
+            run = await bench_run(
+                ep, args.transport, pr.spec, tokenizer, pr.max_concurrency, info=info, **opts
+            )
+            m = compute_metrics(run)
+            print(format_table(run, m), flush=True)
+            append_jsonl(Path(args.result_file), jsonl_row(run, m))
+            out.append((run, m))
+    finally:
+        if server is not None:
+            server.stop()
+    return out
+
+
+async def run_plan(
+    plan: list[PlannedRun], args, model: str, tokenizer
+) -> list[tuple[RunResult, dict]]:
+    info = machine_info(model, args)
+    results = []
+    for backend in dict.fromkeys(pr.backend for pr in plan):
+        mine = [pr for pr in plan if pr.backend == backend]
+        results += await run_backend(backend, mine, args, model, tokenizer, info)
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--suite", choices=["standard"], help="the issue's target runs on the small model")
+    a("--backend", choices=[*BACKENDS, "all"], default="radix-mlx")
+    a("--base-url", help="use a running server (of --backend's kind) instead of starting one")
+    a("--zmq-address", help="with --base-url and --transport sdk: the SDK front door")
+    a("--transport", choices=["http", "sdk"], default="http", help="for radix-mlx backends")
+    a("--model-path", help="any mlx-lm model directory (default: build --preset offline)")
+    a("--preset", choices=["tiny", "small"], default="small")
+    a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
+    a("--workload", choices=WORKLOADS, default="random")
+    a("--num-prompts", type=int, default=64, help="random workload")
+    a("--random-input-len", type=int, default=256)
+    a("--random-output-len", type=int, default=64)
+    a("--random-range-ratio", type=float, default=1.0, help="lengths uniform in [len*r, len]")
+    a("--gsp-num-groups", type=int, default=4)
+    a("--gsp-prompts-per-group", type=int, default=8)
+    a("--gsp-system-prompt-len", type=int, default=1024)
+    a("--gsp-question-len", type=int, default=64)
+    a("--gsp-output-len", type=int, default=32)
+    a("--mt-conversations", type=int, default=8)
+    a("--mt-turns", type=int, default=4)
+    a("--mt-user-len", type=int, default=64)
+    a("--mt-output-len", type=int, default=32)
+    a(
+        "--mt-history",
+        choices=["ids", "text"],
+        default="ids",
+        help="carry answers as their exact ids, or re-tokenize their text for every backend",
+    )
+    a("--repeat-len", type=int, default=2048)
+    a("--repeat-output-len", type=int, default=16)
+    a("--repeat-warm-runs", type=int, default=3, help="warm repeats after the cold request")
+    a("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    a("--max-concurrency", type=int, nargs="*", help="one value, or several for a sweep")
+    a("--seed", type=int, default=0)
+    a("--warmup-requests", type=int, default=2)
+    a("--output-dir", default="bench_results")
+    a("--result-file", default="bench_results/serving.jsonl")
+    a("--no-plots", action="store_true")
+    a("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = resolve_model(args)
+    tokenizer = load_tokenizer(model)
+    plan = plan_runs(args)
+    names = ", ".join(dict.fromkeys(p.backend for p in plan))
+    print(f"model {model}; {len(plan)} run(s) on {names}", flush=True)
+    started = time.perf_counter()
+    results = asyncio.run(run_plan(plan, args, model, tokenizer))
+    status = report(results, args)
+    print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

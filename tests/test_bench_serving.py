@@ -1,0 +1,189 @@
+"""router.bench_serving against a real radix-mlx on the tiny model: the tool works and its
+numbers are internally consistent (every request succeeded, token counts match the
+requests, throughputs match totals over duration). No comparison with mlx_lm.server here:
+that is the benchmark's job, not a test's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from router.bench_report import (
+    REFERENCE,
+    RequestResult,
+    RunResult,
+    Target,
+    check_targets,
+    comparison_table,
+    compute_metrics,
+)
+from router.bench_serving import Endpoint, bench_run, load_tokenizer, main
+from router.bench_workloads import PromptFactory, WorkloadSpec, build_sessions
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return load_tokenizer(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_server) -> Endpoint:
+    return Endpoint("radix-mlx", tiny_server.url, tiny_server.zmq_address)
+
+
+def _run(endpoint, tokenizer, spec, transport="http", **kw) -> tuple[RunResult, dict]:
+    run = asyncio.run(bench_run(endpoint, transport, spec, tokenizer, progress=False, **kw))
+    return run, compute_metrics(run)
+
+
+def _check_consistent(run: RunResult, m: dict) -> None:
+    """What every run must satisfy, whatever the workload."""
+    assert m["failed"] == 0, m["errors"]
+    assert m["completed"] == len(run.requests) > 0
+    for r in run.requests:
+        assert r.ok and not r.error
+        assert r.output_len == r.requested_len == r.streamed_tokens == len(r.output_ids)
+        assert r.reported_prompt_len == r.prompt_len
+        assert 0 < r.ttft <= r.latency
+        assert len(r.itls) <= r.output_len - 1
+        assert 0 <= r.cached_tokens < r.prompt_len
+    assert m["short_outputs"] == m["prompt_len_mismatches"] == m["stream_count_mismatches"] == 0
+    assert m["total_output_tokens"] == sum(r.requested_len for r in run.requests)
+    assert m["total_input_tokens"] == sum(r.prompt_len for r in run.requests)
+    dur = run.duration
+    assert dur > 0
+    assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / dur)
+    assert m["input_throughput"] == pytest.approx(m["total_input_tokens"] / dur)
+    assert m["total_throughput"] == pytest.approx(m["input_throughput"] + m["output_throughput"])
+    assert m["request_throughput"] == pytest.approx(len(run.requests) / dur)
+    assert min(m["output_throughput"], m["input_throughput"], m["median_ttft_ms"]) > 0
+    assert m["p99_e2e_ms"] >= m["median_e2e_ms"] >= m["median_ttft_ms"]
+    assert m["p99_e2e_ms"] <= dur * 1000 + 1
+
+
+def test_random_workload_over_http(endpoint, tokenizer):
+    spec = WorkloadSpec("random", dict(num_prompts=8, input_len=48, output_len=12, range_ratio=0.5))
+    run, m = _run(endpoint, tokenizer, spec, max_concurrency=4)
+    _check_consistent(run, m)
+    assert all(24 <= r.prompt_len <= 48 and 6 <= r.requested_len <= 12 for r in run.requests)
+    assert len({r.prompt_len for r in run.requests}) > 1  # the range ratio varies lengths
+
+
+def test_shared_prefix_workload_shares_the_prefix(endpoint, tokenizer):
+    params = dict(groups=2, prompts_per_group=4, system_len=128, question_len=16, output_len=8)
+    run, m = _run(endpoint, tokenizer, WorkloadSpec("generated-shared-prefix", params))
+    _check_consistent(run, m)
+    assert len(run.requests) == 8
+    assert {r.prompt_len for r in run.requests} == {144}
+    assert m["cached_share"] > 0  # the server's cached_tokens reach the report
+
+
+def test_multi_turn_carries_the_real_history(endpoint, tokenizer):
+    params = dict(conversations=3, turns=3, user_len=16, output_len=8)
+    run, m = _run(endpoint, tokenizer, WorkloadSpec("multi-turn", params), max_concurrency=3)
+    _check_consistent(run, m)
+    by_label = {}
+    for r in run.requests:
+        by_label.setdefault(r.label, set()).add(r.prompt_len)
+    # turn k = k user messages and k - 1 answers
+    assert by_label == {"turn1": {16}, "turn2": {40}, "turn3": {64}}
+    later = [r for r in run.requests if r.label != "turn1"]
+    assert all(r.cached_tokens >= r.prompt_len - 16 - 8 for r in later)
+
+
+def test_repeat_workload_reports_the_warm_hit(endpoint, tokenizer):
+    spec = WorkloadSpec("repeat", dict(length=384, output_len=4, warm_runs=2))
+    run, m = _run(endpoint, tokenizer, spec)
+    _check_consistent(run, m)
+    cold, *warm = run.requests
+    assert cold.label == "cold" and cold.cached_tokens == 0
+    assert [r.label for r in warm] == ["warm", "warm"]
+    assert all(382 <= r.cached_tokens <= 383 for r in warm)
+    assert set(m["ttft_by_label_ms"]) == {"cold", "warm"}
+
+
+def test_sdk_transport_and_poisson_arrivals(endpoint, tokenizer):
+    spec = WorkloadSpec("random", dict(num_prompts=6, input_len=32, output_len=10, range_ratio=1))
+    run, m = _run(endpoint, tokenizer, spec, "sdk", max_concurrency=3, request_rate=40.0)
+    _check_consistent(run, m)
+    assert run.transport == "sdk"
+    # same seed and load: same prompts, so the same greedy outputs over HTTP
+    http, _ = _run(endpoint, tokenizer, spec, max_concurrency=3, request_rate=40.0)
+    assert [r.output_ids for r in http.requests] == [r.output_ids for r in run.requests]
+
+
+def test_cli_writes_a_jsonl_line(tiny_server, tiny_model, tmp_path, capsys):
+    out = tmp_path / "serving.jsonl"
+    argv = [
+        "--base-url",
+        tiny_server.url,
+        "--model-path",
+        tiny_model,
+        "--workload",
+        "repeat",
+        "--repeat-len",
+        "96",
+        "--repeat-output-len",
+        "3",
+        "--repeat-warm-runs",
+        "1",
+        "--result-file",
+        str(out),
+        "--output-dir",
+        str(tmp_path),
+        "--no-plots",
+        "--no-progress",
+        "--warmup-requests",
+        "1",
+    ]
+    assert main(argv) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["backend"] == "radix-mlx" and row["workload"] == "repeat"
+    assert row["completed"] == 2 and row["failed"] == 0
+    assert row["total_input_tokens"] == 192 and row["total_output_tokens"] == 6
+    assert len(row["ttfts_ms"]) == 2
+    assert "Successful requests:" in capsys.readouterr().out
+
+
+def test_prompts_are_identical_as_ids_and_as_text(tokenizer):
+    spec = WorkloadSpec("random", dict(num_prompts=4, input_len=40, output_len=4, range_ratio=1))
+    a = build_sessions(spec, PromptFactory(tokenizer, seed=3))
+    b = build_sessions(spec, PromptFactory(tokenizer, seed=3))
+    for sa, sb in zip(a, b):
+        (p,) = sa.turns
+        assert p.ids == sb.turns[0].ids and len(p.ids) == 40
+        assert tokenizer.encode(p.text) == p.ids
+
+
+def _fake_run(backend: str, ttft: float, out_len: int, duration: float) -> RunResult:
+    reqs = [
+        RequestResult(
+            "request", 10, out_len, ok=True, output_len=out_len, ttft=ttft, latency=ttft + 0.1
+        )
+        for _ in range(4)
+    ]
+    spec = WorkloadSpec("random", dict(num_prompts=4))
+    return RunResult(backend, "http", spec, 8, math.inf, duration, reqs)
+
+
+def test_comparison_ratios_and_targets():
+    ours, theirs = _fake_run("radix-mlx", 0.1, 20, 1.0), _fake_run(REFERENCE, 0.4, 20, 2.0)
+    results = [(ours, compute_metrics(ours)), (theirs, compute_metrics(theirs))]
+    table = comparison_table(results)
+    assert "2.00x" in table and "0.25x" in table  # throughput doubles, TTFT quarters
+    tput = ("radix-mlx", "output_throughput"), (REFERENCE, "output_throughput")
+    ttft = ("radix-mlx", "median_ttft_ms"), (REFERENCE, "median_ttft_ms")
+    lines = check_targets(
+        results,
+        [
+            Target("tput", "random", 8, *tput, ">=", 2.5),
+            Target("ttft", "random", 8, *ttft, "<=", 0.3),
+        ],
+    )
+    assert "MISS" in lines[0] and "2.000" in lines[0]
+    assert "met" in lines[1] and "0.250" in lines[1]
