@@ -11,7 +11,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: setup run-local test test-fast lint format bench clean
+.PHONY: setup openblas prometheus run-local test test-fast lint format bench clean
 
 setup: $(STAMP) openblas
 
@@ -32,16 +32,24 @@ openblas:
 	  fi; \
 	fi
 
+# Best effort: the metrics tests start a real Prometheus when one is installed.
+prometheus:
+	@if [ "$$(uname -s)" = "Linux" ] && ! command -v prometheus >/dev/null && [ "$$(id -u)" = "0" ]; then \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+	    || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)) \
+	    >/dev/null 2>&1 || echo "note: prometheus not installed; its test will be skipped"; \
+	fi
+
 run-local: setup
 	@model="$(MODEL)"; \
 	if [ -z "$$model" ]; then model=$$($(PY) -c 'from common.tiny_model import ensure_tiny_model; print(ensure_tiny_model())'); fi; \
 	echo "serving $$model on http://127.0.0.1:$(PORT)"; \
 	exec $(VENV)/bin/radix-mlx serve --model-path "$$model" --port $(PORT) $(ARGS)
 
-test: setup
+test: setup prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup prometheus
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: setup

@@ -7,6 +7,13 @@
 
 `AsyncClient` has the same methods as coroutines / async iterators and may run many
 requests at once on one connection.
+
+Every call takes an optional `rid` (default: a fresh uuid); `abort(rid)` stops that
+request in the server, which then ends it with `finish_reason == "abort"` and what was
+generated so far. Closing a stream early aborts its request; so does closing the client
+or losing the connection (the server notices the disconnection). `timeout` bounds the
+wait for each answer (each chunk of a stream) and raises `RequestTimeout`; a refused or
+failed request raises `RadixMLXError` with the server's message, code and HTTP status.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from common.messages import (
     ClientResult,
     SamplingParams,
 )
-from common.protocol import decode, encode
+from common.protocol import ProtocolError, decode, encode
 
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 
@@ -110,23 +117,32 @@ class Client:
         self._sock.connect(address)
 
     def generate(
-        self, text: str | None = None, *, input_ids=None, timeout=None, **sampling
+        self, text: str | None = None, *, input_ids=None, rid=None, timeout=None, **sampling
     ) -> GenerateResult:
-        req = _request(False, text, input_ids, **sampling)
+        req = _request(False, text, input_ids, rid=rid, **sampling)
         return _result(next(self._run(req, timeout)))
 
-    def chat(self, messages: list[dict], *, timeout=None, **sampling) -> GenerateResult:
-        req = _request(False, messages=messages, **sampling)
+    def chat(self, messages: list[dict], *, rid=None, timeout=None, **sampling) -> GenerateResult:
+        req = _request(False, messages=messages, rid=rid, **sampling)
         return _result(next(self._run(req, timeout)))
 
     def stream(
-        self, text: str | None = None, *, input_ids=None, messages=None, timeout=None, **sampling
+        self,
+        text: str | None = None,
+        *,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        timeout=None,
+        **sampling,
     ) -> Iterator[StreamChunk]:
         """Yield increments; closing the iterator early aborts the request."""
-        yield from self._run(_request(True, text, input_ids, messages, **sampling), timeout)
+        req = _request(True, text, input_ids, messages, rid=rid, **sampling)
+        yield from self._run(req, timeout)
 
     def abort(self, rid: str) -> None:
-        self._sock.send(encode(ClientAbort(rid)))
+        if not self._sock.closed:
+            self._sock.send(encode(ClientAbort(rid)))
 
     def _run(self, req: ClientGenerate, timeout: float | None) -> Iterator[StreamChunk]:
         timeout = timeout if timeout is not None else self.timeout
@@ -147,7 +163,10 @@ class Client:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self._sock.poll(None if wait is None else int(wait * 1000)):
                 raise RequestTimeout(timeout)
-            msg = decode(self._sock.recv(), CLIENT_INBOX)
+            try:
+                msg = decode(self._sock.recv(), CLIENT_INBOX)
+            except ProtocolError as exc:
+                raise RadixMLXError(f"bad answer from the server: {exc}", "protocol") from None
             if msg.rid in (rid, ""):
                 return msg  # anything else is a late answer to an aborted request
 
@@ -174,31 +193,58 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
 
     async def generate(
-        self, text: str | None = None, *, input_ids=None, timeout=None, **sampling
+        self,
+        text: str | None = None,
+        *,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        timeout=None,
+        **sampling,
     ) -> GenerateResult:
-        req = _request(False, text, input_ids, **sampling)
-        async for chunk in self._run(req, timeout):
-            return _result(chunk)
+        req = _request(False, text, input_ids, messages, rid=rid, **sampling)
+        run = self._run(req, timeout)
+        try:
+            async for chunk in run:
+                return _result(chunk)
+        finally:
+            await run.aclose()
         raise RadixMLXError("stream ended without a result")
 
-    async def chat(self, messages: list[dict], *, timeout=None, **sampling) -> GenerateResult:
-        return await self.generate(None, timeout=timeout, messages=messages, **sampling)
+    async def chat(
+        self, messages: list[dict], *, rid=None, timeout=None, **sampling
+    ) -> GenerateResult:
+        return await self.generate(messages=messages, rid=rid, timeout=timeout, **sampling)
 
     async def stream(
-        self, text: str | None = None, *, input_ids=None, messages=None, timeout=None, **sampling
+        self,
+        text: str | None = None,
+        *,
+        input_ids=None,
+        messages=None,
+        rid=None,
+        timeout=None,
+        **sampling,
     ) -> AsyncIterator[StreamChunk]:
-        async for chunk in self._run(
-            _request(True, text, input_ids, messages, **sampling), timeout
-        ):
-            yield chunk
+        """Yield increments; leaving early (`aclose`, or garbage collection of the
+        iterator after `break`) aborts the request."""
+        run = self._run(_request(True, text, input_ids, messages, rid=rid, **sampling), timeout)
+        try:
+            async for chunk in run:
+                yield chunk
+        finally:
+            await run.aclose()
 
     async def abort(self, rid: str) -> None:
-        await self._sock.send(encode(ClientAbort(rid)))
+        if not self._sock.closed:
+            await self._sock.send(encode(ClientAbort(rid)))
 
     async def _run(self, req: ClientGenerate, timeout) -> AsyncIterator[StreamChunk]:
         timeout = timeout if timeout is not None else self.timeout
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+        if req.rid in self._queues:
+            raise ValueError(f"request id {req.rid!r} is already running on this client")
         queue = self._queues[req.rid] = asyncio.Queue()
         await self._sock.send(encode(req))
         done = False
@@ -218,15 +264,23 @@ class AsyncClient:
 
     async def _read(self) -> None:
         while True:
-            msg = decode(await self._sock.recv(), CLIENT_INBOX)
+            frame = await self._sock.recv()
+            try:
+                msg = decode(frame, CLIENT_INBOX)
+            except ProtocolError as exc:
+                msg = ClientError("", f"bad answer from the server: {exc}", "protocol", 500)
             targets = self._queues.values() if msg.rid == "" else [self._queues.get(msg.rid)]
             for q in targets:
                 if q is not None:
                     q.put_nowait(msg)
 
     async def close(self) -> None:
+        """Close the connection; requests still waiting end with RadixMLXError (and the
+        server aborts them when it sees the disconnection)."""
         if self._reader is not None:
             self._reader.cancel()
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(ClientError(rid, "the client was closed", "closed", 499))
         self._ctx.destroy(linger=0)
 
     async def __aenter__(self) -> AsyncClient:

@@ -1,9 +1,13 @@
 """The router's ZMQ front door for SDK clients (`router.client`).
 
 A ROUTER socket: each SDK request runs as an asyncio task keyed by (client identity, rid);
-ClientAbort cancels it, which aborts the request in the scheduler. Sends are
-ROUTER_MANDATORY, so a client that vanished makes the next send fail and its request is
-aborted rather than left running.
+ClientAbort cancels it, which aborts the request in the scheduler and answers with a last
+result whose finish_reason is "abort". A client that vanishes does not leak its requests:
+sends are ROUTER_MANDATORY, so a send to a client whose connection is gone fails, and every
+PROBE_INTERVAL seconds each client with requests in progress gets a probe (a ClientResult
+for rid PROBE_RID, which matches no request, so clients drop it); a failed send cancels
+all of that client's requests. (libzmq's ROUTER_NOTIFY would tell us directly, but it is
+a draft API that the pyzmq wheels do not enable.)
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -25,8 +30,11 @@ from common.messages import (
 from common.protocol import ProtocolError, decode, encode, peek_rid
 from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
+from router.metrics import track_finish
 
 logger = logging.getLogger("router")
+PROBE_INTERVAL = 1.0  # seconds between liveness probes of clients with requests in progress
+PROBE_RID = "\x00probe"  # no request uses it: SDK clients drop the probe
 
 
 class FrontDoor:
@@ -40,8 +48,16 @@ class FrontDoor:
         self.sock.bind(address)
         self.address = address
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self.aborted: set[tuple[bytes, str]] = set()  # cancelled by a ClientAbort
 
     async def serve(self) -> None:
+        prober = asyncio.create_task(self._probe_clients())
+        try:
+            await self._receive()
+        finally:
+            prober.cancel()
+
+    async def _receive(self) -> None:
         while True:
             parts = await self.sock.recv_multipart()
             if len(parts) != 2:
@@ -58,6 +74,7 @@ class FrontDoor:
             if isinstance(msg, ClientAbort):
                 task = self.tasks.get(key)
                 if task is not None:
+                    self.aborted.add(key)
                     task.cancel()
                 continue
             if key in self.tasks:
@@ -65,18 +82,45 @@ class FrontDoor:
                 continue
             task = asyncio.create_task(self._handle(ident, msg))
             self.tasks[key] = task
-            task.add_done_callback(lambda _t, k=key: self.tasks.pop(k, None))
+            task.add_done_callback(lambda _t, k=key: self._done(k))
+
+    def _done(self, key: tuple[bytes, str]) -> None:
+        self.tasks.pop(key, None)
+        self.aborted.discard(key)
+
+    async def _probe_clients(self) -> None:
+        probe = encode(ClientResult(PROBE_RID, [], "", None, 0, 0, 0))
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL)
+            for ident in {who for who, _ in self.tasks}:
+                try:
+                    await self.sock.send_multipart([ident, probe], flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # connected but not reading yet (its queue is full)
+                except zmq.ZMQError:
+                    self._client_gone(ident)
+
+    def _client_gone(self, ident: bytes) -> None:
+        gone = [task for (who, _), task in self.tasks.items() if who == ident]
+        if gone:
+            logger.info("SDK client disconnected; aborting its %d request(s)", len(gone))
+        for task in gone:
+            task.cancel()
 
     async def _handle(self, ident: bytes, msg: ClientGenerate) -> None:
+        text, out_ids, prompt_len, cached = "", [], 0, 0
         try:
             ids = self._input_ids(msg)
+            prompt_len = len(ids)
             self.tok.check_ids(ids, msg.sampling)
-            text, out_ids = "", []
-            chunks = generate_text(self.manager, self.tokenizer, ids, msg.sampling)
+            rid = f"sdk-{uuid.uuid4().hex}"  # client rids are only unique per client
+            chunks = generate_text(self.manager, self.tokenizer, ids, msg.sampling, rid=rid)
+            chunks = track_finish(chunks, self.manager.metrics, rid)
             async with contextlib.aclosing(chunks):
                 async for c in chunks:
                     text += c.text
                     out_ids += c.token_ids
+                    cached = c.cached_tokens
                     if not msg.stream and c.finish_reason is None:
                         continue
                     result = ClientResult(
@@ -93,7 +137,21 @@ class FrontDoor:
         except RequestError as exc:
             await self._send(ident, ClientError(msg.rid, exc.message, exc.code, exc.status))
         except asyncio.CancelledError:
-            pass  # ClientAbort: the generator's cleanup told the scheduler
+            # The generator's cleanup told the scheduler. A ClientAbort gets a last answer
+            # (what was generated so far, finish_reason "abort") so the caller's wait ends.
+            if (ident, msg.rid) in self.aborted:
+                await self._send(
+                    ident,
+                    ClientResult(
+                        msg.rid,
+                        [] if msg.stream else out_ids,
+                        "" if msg.stream else text,
+                        "abort",
+                        prompt_len,
+                        len(out_ids),
+                        cached,
+                    ),
+                )
 
     def _input_ids(self, msg: ClientGenerate) -> list[int]:
         given = [x is not None for x in (msg.text, msg.input_ids, msg.messages)]

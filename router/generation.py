@@ -95,6 +95,8 @@ async def generate_text(
                 out.prompt_tokens,
                 out.completion_tokens,
                 out.cached_tokens,
+                out.logprobs,
+                out.top_logprobs,
             )
             if hit:
                 return  # leaving the generator aborts the request

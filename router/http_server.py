@@ -1,24 +1,51 @@
-"""The OpenAI-compatible HTTP API (FastAPI on uvicorn)."""
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn).
+
+A client that goes away aborts its request in the scheduler: a stream when Starlette sees
+the disconnect (the stream task is cancelled), a non-streaming request through a watcher
+that waits for `http.disconnect` while the answer is being generated.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from router.generation import Chunk, Tokenization, generate_text
 from router.manager import RequestError, RouterManager
-from router.openai_api import ChatCompletionRequest, CompletionRequest, error_body, usage
+from router.metrics import track_finish
+from router.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenPieces,
+    chat_logprobs,
+    completion_logprobs,
+    error_body,
+    usage,
+)
+
+_STATUS_CODES = {
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
 
 
 def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI:
-    app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None)
+    app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard, api_key=args.api_key, max_bytes=args.max_request_bytes)
     tok = Tokenization(tokenizer, manager)
+    pieces = TokenPieces(tokenizer)
     model_name = args.model_name
 
     @app.exception_handler(RequestError)
@@ -29,16 +56,11 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     async def _validation_error(_: Request, exc: RequestValidationError):
         return JSONResponse(error_body(_describe(exc), "invalid_request_error", 400), 400)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if args.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {args.api_key}":
-                return JSONResponse(error_body("invalid API key", "invalid_api_key", 401), 401)
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > args.max_request_bytes:
-            msg = f"request body of {size} bytes exceeds the limit of {args.max_request_bytes}"
-            return JSONResponse(error_body(msg, "request_too_large", 413), 413)
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException):
+        code = _STATUS_CODES.get(exc.status_code, "invalid_request_error")
+        body = error_body(str(exc.detail), code, exc.status_code)
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health():
@@ -76,8 +98,13 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
         if problem:
             raise RequestError(problem, "unsupported_parameter")
 
+    def start(ids: list[int], sampling, req, rid: str) -> AsyncIterator[Chunk]:
+        tok.check_ids(ids, sampling)
+        chunks = generate_text(manager, tokenizer, ids, sampling, req.stop_strings(), rid)
+        return track_finish(chunks, metrics, rid)
+
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         manager.check_ready()
         check_model(req)
         if isinstance(req.prompt, str):
@@ -89,12 +116,16 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
         else:
             ids = list(req.prompt)
         sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16)
-        tok.check_ids(ids, sampling)
-        echo = tokenizer.decode(ids) if req.echo else ""
-        chunks = generate_text(manager, tokenizer, ids, sampling, req.stop_strings())
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        chunks = start(ids, sampling, req, rid)
+        echo = tokenizer.decode(ids) if req.echo else ""
+        offset = [0]  # text offset of the next token, for logprobs
 
         def render(c: Chunk, text: str) -> dict:
+            lp = None
+            if sampling.logprobs and c.token_ids:
+                lp = completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, pieces, offset[0])
+                offset[0] += len(text)
             return {
                 "id": rid,
                 "object": "text_completion",
@@ -104,7 +135,7 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
                     {
                         "index": 0,
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": lp,
                         "finish_reason": c.finish_reason,
                         "token_ids": c.token_ids,
                     }
@@ -112,22 +143,29 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
             }
 
         if req.stream:
-            return await _sse(chunks, render, _include_usage(req), prefix=echo)
-        return await _collect(chunks, render, prefix=echo)
+            return await _sse(request, chunks, render, _include_usage(req), prefix=echo)
+        return await _unless_disconnected(request, _collect(chunks, render, prefix=echo))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         manager.check_ready()
         check_model(req)
         ids = tok.encode_chat(req.messages)
-        max_new = req.max_completion_tokens or req.max_tokens
-        sampling = req.sampling(
-            max_new if max_new is not None else max(1, manager.context_len - len(ids))
-        )
-        tok.check_ids(ids, sampling)
-        chunks = generate_text(manager, tokenizer, ids, sampling, req.stop_strings())
+        max_new = req.max_completion_tokens
+        if max_new is None:
+            max_new = req.max_tokens
+        if max_new is None:  # as much as fits in the context and in the KV pool
+            room = min(manager.context_len, manager.ready.num_slots) - len(ids)
+            max_new = max(1, room)
+        sampling = req.sampling(max_new)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        chunks = start(ids, sampling, req, rid)
         first = [True]
+
+        def logprobs_of(c: Chunk) -> dict | None:
+            if not sampling.logprobs or not c.token_ids:
+                return None
+            return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, pieces)
 
         def render_delta(c: Chunk, text: str) -> dict:
             delta = {"content": text}
@@ -139,7 +177,12 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
                 "created": created,
                 "model": model_name,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
+                    {
+                        "index": 0,
+                        "delta": delta,
+                        "logprobs": logprobs_of(c),
+                        "finish_reason": c.finish_reason,
+                    }
                 ],
             }
 
@@ -152,7 +195,7 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
                 "choices": [
                     {
                         "index": 0,
-                        "logprobs": None,
+                        "logprobs": logprobs_of(c),
                         "finish_reason": c.finish_reason,
                         "message": {"role": "assistant", "content": text},
                         "token_ids": c.token_ids,
@@ -161,43 +204,125 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
             }
 
         if req.stream:
-            return await _sse(chunks, render_delta, _include_usage(req))
-        return await _collect(chunks, render_whole)
+            return await _sse(request, chunks, render_delta, _include_usage(req))
+        return await _unless_disconnected(request, _collect(chunks, render_whole))
 
     return app
 
 
+class _Guard:
+    """Pure ASGI middleware (no per-chunk cost on streams): the API key on /v1/ and the
+    request body limit, checked on Content-Length and again on the bytes received, so a
+    chunked upload cannot get around it."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int):
+        self.app = app
+        self.bearer = f"Bearer {api_key}".encode() if api_key else None
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.bearer is not None and scope["path"].startswith("/v1/"):
+            if headers.get(b"authorization") != self.bearer:
+                body = error_body("invalid or missing API key", "invalid_api_key", 401)
+                return await JSONResponse(body, 401)(scope, receive, send)
+        size = headers.get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.max_bytes:
+            return await JSONResponse(self._too_large(int(size)), 413)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, self._too_large(seen)["error"]["message"])
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self, size: int) -> dict:
+        msg = f"request body of {size} bytes exceeds the limit of {self.max_bytes} bytes"
+        return error_body(msg, "request_too_large", 413)
+
+
 def _include_usage(req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage)
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (after the body was read, uvicorn's `receive`
+    only answers with `http.disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`; if the client disconnects first, cancel it (which aborts the request
+    upstream) and answer 499, which nobody will read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise RequestError("client closed the request", "client_closed_request", 499)
+    return task.result()
 
 
 async def _collect(chunks: AsyncIterator[Chunk], render: Callable, prefix: str = "") -> dict:
-    text, ids, last = prefix, [], None
-    async for c in chunks:
-        text += c.text
-        ids += c.token_ids
-        last = c
-    whole = Chunk(
-        text,
-        ids,
-        last.finish_reason,
-        last.prompt_tokens,
-        last.completion_tokens,
-        last.cached_tokens,
-    )
+    texts, ids, logprobs, top, last = [prefix], [], [], [], None
+    async with _closing(chunks):
+        async for c in chunks:
+            texts.append(c.text)
+            ids += c.token_ids
+            logprobs = _extend(logprobs, c.logprobs, c.token_ids)
+            top = _extend(top, c.top_logprobs, c.token_ids)
+            last = c
+    text = "".join(texts)
+    whole = dataclasses.replace(last, text=text, token_ids=ids, logprobs=logprobs, top_logprobs=top)
     body = render(whole, text)
     body["usage"] = usage(last.prompt_tokens, len(ids), last.cached_tokens)
     return body
 
 
+def _extend(acc: list | None, more: list | None, token_ids: list[int]) -> list | None:
+    """Per-token lists across chunks; None once a chunk with tokens has none."""
+    if acc is None or (more is None and token_ids):
+        return None
+    if more:
+        acc += more
+    return acc
+
+
 async def _sse(
-    chunks: AsyncIterator[Chunk], render: Callable, include_usage: bool, prefix: str = ""
+    request: Request,
+    chunks: AsyncIterator[Chunk],
+    render: Callable,
+    include_usage: bool,
+    prefix: str = "",
 ) -> StreamingResponse:
-    """Server-sent events; the first chunk is awaited first so early errors get a 4xx."""
-    first = await anext(chunks)
+    """Server-sent events; the first chunk is awaited first so early errors get a 4xx.
+
+    Chunks whose text is still held back (half a character, a possible stop string) are
+    not sent on their own: their token ids ride along with the next chunk that has text.
+    """
+    try:
+        first = await _unless_disconnected(request, anext(chunks))
+    except BaseException:
+        await _aclose_shielded(chunks)
+        raise
 
     async def events():
-        last, sent = first, len(first.token_ids)
+        last, sent, held = first, len(first.token_ids), None
         try:
             if prefix:
                 yield _event(render(Chunk(prefix, [], None, 0, 0, 0), prefix))
@@ -205,6 +330,11 @@ async def _sse(
             async for c in chunks:
                 last = c
                 sent += len(c.token_ids)
+                if held is not None:
+                    c, held = _merge(held, c), None
+                if not c.text and c.finish_reason is None:
+                    held = c
+                    continue
                 yield _event(render(c, c.text))
             if include_usage:
                 body = render(last, "")
@@ -214,12 +344,47 @@ async def _sse(
         except RequestError as exc:
             yield _event(error_body(exc.message, exc.code, exc.status))
         finally:
-            await chunks.aclose()
+            await _aclose_shielded(chunks)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
         events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    """`b` with the text, tokens and logprobs of the held-back `a` in front."""
+
+    def cat(x, y):
+        x = [] if x is None and not a.token_ids else x
+        y = [] if y is None and not b.token_ids else y
+        return None if x is None or y is None else x + y
+
+    return dataclasses.replace(
+        b,
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=cat(a.logprobs, b.logprobs),
+        top_logprobs=cat(a.top_logprobs, b.top_logprobs),
+    )
+
+
+class _closing:
+    """`contextlib.aclosing` whose close survives a cancelled task."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    async def __aenter__(self):
+        return self.gen
+
+    async def __aexit__(self, *exc):
+        await _aclose_shielded(self.gen)
+
+
+async def _aclose_shielded(gen) -> None:
+    with anyio.CancelScope(shield=True):
+        await gen.aclose()
 
 
 def _event(body: dict) -> str:
@@ -231,6 +396,9 @@ def _describe(exc: RequestValidationError) -> str:
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         if err.get("type") == "json_invalid":
-            return f"malformed JSON body: {err.get('msg')}"
+            detail = (err.get("ctx") or {}).get("error") or err.get("msg")
+            return f"malformed JSON body: {detail}"
+        if not loc and err.get("type") == "missing":
+            return "the request has no body; send a JSON object"
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts[:5])

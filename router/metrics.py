@@ -1,12 +1,15 @@
 """Prometheus metrics, all exposed by the router on the HTTP port.
 
-The scheduler reports its gauges and cumulative counters in SchedulerStats messages;
-the router measures latencies itself. One registry per server, so tests can run several.
+The scheduler reports its gauges and cumulative counters in SchedulerStats messages
+(every 0.5 s while busy); the router measures latencies itself, per request, from the
+outputs it routes. One registry per server, so tests can run several. Every metric is
+in `METRICS` below; labels stay low-cardinality (only `finish_reason`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -19,21 +22,69 @@ from prometheus_client import (
 
 from common.messages import SchedulerStats, TokenOut
 
+PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5)
+
+# name (without prefix and without the counter's `_total`) -> Prometheus type
+METRICS = {
+    "prompt_tokens": "counter",
+    "generation_tokens": "counter",
+    "cached_tokens": "counter",
+    "requests": "counter",
+    "evicted_tokens": "counter",
+    "retracted_requests": "counter",
+    "time_to_first_token_seconds": "histogram",
+    "inter_token_latency_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram",
+    "queue_time_seconds": "histogram",
+    "num_running_requests": "gauge",
+    "num_queued_requests": "gauge",
+    "token_usage": "gauge",
+    "kv_pool_capacity_tokens": "gauge",
+}
+
+
+def exported_series() -> set[str]:
+    """Every series name a scrape can contain (what PromQL may reference)."""
+    names = set()
+    for name, kind in METRICS.items():
+        full = PREFIX + name
+        if kind == "counter":
+            names |= {full + "_total", full + "_created"}
+        elif kind == "histogram":
+            names |= {full + s for s in ("_bucket", "_count", "_sum", "_created")}
+        else:
+            names.add(full)
+    return names
+
+
+class _Live:
+    """Per-request state between the first output and the end."""
+
+    __slots__ = ("created", "last", "end_reason")
+
+    def __init__(self, created: float, now: float):
+        self.created, self.last = created, now
+        self.end_reason: str | None = None
 
 
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        p = "radix_mlx_"
+        p = PREFIX
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
         self.cached_tokens = Counter(
             p + "cached_tokens", "Prompt tokens from the prefix cache", registry=r
         )
-        self.requests = Counter(p + "requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter(
+            p + "requests",
+            "Finished requests (abort: the client went away or cancelled)",
+            ["finish_reason"],
+            registry=r,
+        )
         self.evicted_tokens = Counter(
             p + "evicted_tokens", "Tokens evicted from the cache", registry=r
         )
@@ -60,7 +111,7 @@ class Metrics:
         )
         self.queue_time = Histogram(
             p + "queue_time_seconds",
-            "Time before the prefill starts",
+            "Time from arrival at the scheduler to the first prefill",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -70,9 +121,11 @@ class Metrics:
             p + "token_usage", "KV pool share held by running requests", registry=r
         )
         self.capacity = Gauge(p + "kv_pool_capacity_tokens", "KV pool size", registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.requests.labels(reason)  # export zeros, so rate() works from the start
         self._evicted_seen = 0
         self._retracted_seen = 0
-        self._last_token_at: dict[str, float] = {}
+        self._live: dict[str, _Live] = {}
 
     def observe_stats(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)
@@ -86,25 +139,54 @@ class Metrics:
 
     def observe_output(self, out: TokenOut, created: float) -> None:
         now = time.monotonic()
-        last = self._last_token_at.get(out.rid)
-        if last is None:
+        live = self._live.get(out.rid)
+        if live is None:
+            live = self._live[out.rid] = _Live(created, now)
             self.ttft.observe(now - created)
+            self.queue_time.observe(max(0.0, out.queue_time))
             self.prompt_tokens.inc(out.prompt_tokens)
             self.cached_tokens.inc(out.cached_tokens)
         elif out.token_ids:
-            gap = (now - last) / len(out.token_ids)
+            gap = (now - live.last) / len(out.token_ids)
             for _ in out.token_ids:
                 self.itl.observe(gap)
         self.generation_tokens.inc(len(out.token_ids))
-        self._last_token_at[out.rid] = now
+        live.last = now
         if out.finish_reason is not None:
-            self._last_token_at.pop(out.rid, None)
+            del self._live[out.rid]
             self.e2e.observe(now - created)
             self.requests.labels(out.finish_reason).inc()
 
+    def note_finish(self, rid: str, reason: str) -> None:
+        """The router ended a request itself (a stop string matched on the text)."""
+        live = self._live.get(rid)
+        if live is not None:
+            live.end_reason = reason
+
     def forget(self, rid: str) -> None:
-        """Drop per-request state of a request that ended without a finishing output."""
-        self._last_token_at.pop(rid, None)
+        """A request's caller is done with it; one that never finished counts as ended
+        by the router: a stop string (`note_finish`) or an abort (client gone).
+
+        Requests aborted before their first output are not seen here and not counted.
+        """
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        if live.end_reason is not None:
+            self.e2e.observe(time.monotonic() - live.created)
+        self.requests.labels(live.end_reason or "abort").inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+async def track_finish(chunks: AsyncIterator, metrics: Metrics | None, rid: str) -> AsyncIterator:
+    """Pass chunks through, telling `metrics` how the router ended the request (a stop
+    string) before the request's `forget` counts it."""
+    try:
+        async for c in chunks:
+            if c.finish_reason is not None and metrics is not None:
+                metrics.note_finish(rid, c.finish_reason)
+            yield c
+    finally:
+        await chunks.aclose()

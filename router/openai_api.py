@@ -1,43 +1,52 @@
-"""OpenAI request bodies and their mapping to SamplingParams."""
+"""OpenAI request bodies, their mapping to SamplingParams, and OpenAI's response pieces
+(usage, errors, logprobs)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from common.messages import SamplingParams
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool | None = False
 
 
 class _Common(BaseModel):
+    """Fields shared by both endpoints. Types are strict (no "0.5" for a number, no 1 for
+    a bool) and `null` means the default, as in OpenAI's API."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    stream: bool = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: StrictInt = 1
+    ignore_eos: StrictBool | None = False
+    n: StrictInt | None = None
     user: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             return "n other than 1 is not supported yet"
         return None
+
+    def logprob_request(self) -> tuple[bool, int]:
+        """(return the sampled tokens' logprobs, how many alternatives per token)."""
+        return False, 0
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -45,31 +54,42 @@ class _Common(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def sampling(self, max_new_tokens: int) -> SamplingParams:
+        d = SamplingParams()
+        want_logprobs, top_logprobs = self.logprob_request()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
+            temperature=_or(self.temperature, d.temperature),
+            top_p=_or(self.top_p, d.top_p),
+            top_k=_or(self.top_k, d.top_k),
+            min_p=_or(self.min_p, d.min_p),
+            repetition_penalty=_or(self.repetition_penalty, d.repetition_penalty),
+            frequency_penalty=_or(self.frequency_penalty, d.frequency_penalty),
+            presence_penalty=_or(self.presence_penalty, d.presence_penalty),
             seed=self.seed,
             stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
         )
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 class CompletionRequest(_Common):
     prompt: str | list[StrictInt] | list[str] = Field(...)
-    echo: bool = False
-    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    logprobs: StrictInt | None = None  # how many alternatives; 0 = only the sampled token
+
+    def logprob_request(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]] = Field(..., min_length=1)
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -79,7 +99,12 @@ class ChatCompletionRequest(_Common):
             return "tools are not supported yet"
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format is not supported yet"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs set to true"
         return super().unsupported()
+
+    def logprob_request(self) -> tuple[bool, int]:
+        return bool(self.logprobs), self.top_logprobs or 0
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
@@ -94,3 +119,95 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
 def error_body(message: str, code: str, status: int) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+class TokenPieces:
+    """Token id -> (text, UTF-8 bytes) for logprobs, cached. Byte-level BPE tokens map
+    back to their exact bytes (half a character has its real bytes and text U+FFFD);
+    other tokenizers use the token's decoded text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+        self.byte_of = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self.cache.get(token_id)
+        if hit is None:
+            hit = self.cache[token_id] = self._piece(token_id)
+        return hit
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        if self.byte_of is not None:
+            symbol = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(symbol, str) and all(ch in self.byte_of for ch in symbol):
+                raw = bytes(self.byte_of[ch] for ch in symbol)
+                return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.tokenizer.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+
+def _is_byte_level(tokenizer) -> bool:
+    try:
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    except Exception:  # a slow tokenizer, or an unusual one
+        return False
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any((d or {}).get("type") == "ByteLevel" for d in parts)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: printable symbol -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            symbols[chr(b)] = b
+        else:
+            symbols[chr(256 + extra)] = b
+            extra += 1
+    return symbols
+
+
+def chat_logprobs(token_ids, logprobs, top_logprobs, pieces: TokenPieces) -> dict | None:
+    """OpenAI's chat `choices[].logprobs`: {"content": [one entry per token]}."""
+    if logprobs is None:
+        return None
+
+    def entry(token_id, lp) -> dict:
+        text, raw = pieces(token_id)
+        return {"token": text, "logprob": lp, "bytes": raw}
+
+    content = []
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+        top = top_logprobs[i] if top_logprobs else []
+        content.append(entry(tid, lp) | {"top_logprobs": [entry(t, v) for t, v in top]})
+    return {"content": content}
+
+
+def completion_logprobs(
+    token_ids, logprobs, top_logprobs, pieces: TokenPieces, offset: int
+) -> dict | None:
+    """OpenAI's legacy completions `choices[].logprobs`; `offset` is the text offset of
+    the first token (characters of the completion before it)."""
+    if logprobs is None:
+        return None
+    tokens, offsets = [], []
+    for tid in token_ids:
+        text = pieces(tid)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    tops = [
+        {pieces(t)[0]: v for t, v in (top_logprobs[i] if top_logprobs else [])}
+        for i in range(len(token_ids))
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }

@@ -64,7 +64,7 @@ class SchedulerProcess:
         )
         logger.info("ready: KV pool %d tokens, context %d", ready.num_slots, sched.context_len)
         while True:
-            self._poll(timeout_ms=0 if sched.busy else 1000)
+            self._poll(timeout_ms=0 if sched.busy else int(STATS_INTERVAL * 1000))
             batch = sched.next_batch()
             if batch is not None:
                 self.to_worker.send(encode(batch))
