@@ -58,6 +58,7 @@ class Scheduler:
         self.step = 0
         self.in_flight: PrefillBatch | list[Req] | None = None
         self.retracted = 0
+        self.last_was_prefill = False
         self.decode_steps = 0
         self._decode_log = (time.monotonic(), 0)
 
@@ -114,7 +115,10 @@ class Scheduler:
     def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
         """The next message for the worker, or None when idle."""
         prefill = None
-        if self.waiting or self.chunked:
+        # After a prefill, running requests get one decode step before the next prefill, so
+        # a stream of long prompts cannot stall them for several prefill steps in a row.
+        decode_turn = self.last_was_prefill and bool(self.running)
+        if (self.waiting or self.chunked) and not decode_turn:
             prefill = build_prefill(
                 self.waiting,
                 self.chunked,
@@ -125,6 +129,7 @@ class Scheduler:
                 max_running=self.args.max_running_requests,
                 new_token_ratio=self.new_token_ratio,
             )
+        self.last_was_prefill = prefill is not None
         if prefill is not None:
             return self._extend_batch(prefill)
         if self.running:

@@ -68,20 +68,20 @@ class ModelRunner:
             self._check_extend(r)
         self._flush()
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
+        passes = [p for reqs in groups for p in _rounds(reqs, self.prefill_step)]
         last_logits, states, order = [], [], []
         position = {id(r): i for i, r in enumerate(batch.reqs)}
-        for reqs in groups:
-            for pieces, owners in _rounds(reqs, self.prefill_step):
-                hidden = self._extend_forward(pieces)
-                sampled = [i for i, p in enumerate(pieces) if p.last_chunk]
-                if sampled:
-                    rows = mx.array(sampled, dtype=mx.int32)
-                    cols = mx.array([len(pieces[i].input_ids) - 1 for i in sampled], mx.int32)
-                    last_logits.append(self.head(hidden[rows, cols]))
-                    states += [self._new_state(owners[i]) for i in sampled]
-                    order += [position[id(owners[i])] for i in sampled]
-                if len(pieces) < len(reqs) or hidden.shape[1] == self.prefill_step:
-                    mx.eval(self.pool.arrays())  # bound the graph between rounds
+        for n, (pieces, owners) in enumerate(passes):
+            hidden = self._extend_forward(pieces)
+            sampled = [i for i, p in enumerate(pieces) if p.last_chunk]
+            if sampled:
+                rows = mx.array(sampled, dtype=mx.int32)
+                cols = mx.array([len(pieces[i].input_ids) - 1 for i in sampled], mx.int32)
+                last_logits.append(self.head(hidden[rows, cols]))
+                states += [self._new_state(owners[i]) for i in sampled]
+                order += [position[id(owners[i])] for i in sampled]
+            if n + 1 < len(passes):
+                mx.eval(self.pool.arrays(), last_logits)  # the next pass reads this KV
         if not states:
             mx.eval(self.pool.arrays())
             return StepOutput([], [])
@@ -222,30 +222,36 @@ class ModelRunner:
 
 
 def _rounds(reqs: list[ExtendReq], step: int) -> list[tuple[list[ExtendReq], list[ExtendReq]]]:
-    """Cut each request's new tokens into pieces of at most `step`; round k runs every
-    request's k-th piece after round k-1 wrote its KV. Short rows drop out early, so one long
-    prompt does not pad the others to its length, and attention stays in cache-sized blocks."""
-    rounds = []
+    """Forward passes for one extend, in order, as (pieces, the requests they belong to).
+
+    Each request's new tokens are cut into pieces of at most `step`; round k runs every
+    request's k-th piece after round k-1 wrote its KV, so attention stays in cache-sized
+    blocks. Within a round, pieces of very different lengths go in separate passes, so a
+    64-token question is never padded to a 256-token piece of a long prompt."""
+    passes = []
     for start in range(0, max(len(r.input_ids) for r in reqs), step):
-        pieces, owners = [], []
-        for r in reqs:
-            if start >= len(r.input_ids):
-                continue
-            end = min(start + step, len(r.input_ids))
-            last = r.last_chunk and end == len(r.input_ids)
-            pieces.append(
-                ExtendReq(
-                    r.rid,
-                    r.input_ids[start:end],
-                    r.prefix_slot_ids + r.out_cache_loc[:start],
-                    r.out_cache_loc[start:end],
-                    r.sampling,
-                    last_chunk=last,
-                )
-            )
-            owners.append(r)
-        rounds.append((pieces, owners))
-    return rounds
+        pieces = [(_piece(r, start, step), r) for r in reqs if start < len(r.input_ids)]
+        pieces.sort(key=lambda pr: -len(pr[0].input_ids))
+        group: list[tuple[ExtendReq, ExtendReq]] = []
+        for piece, owner in pieces:
+            if group and 2 * len(piece.input_ids) <= len(group[0][0].input_ids):
+                passes.append(([p for p, _ in group], [o for _, o in group]))
+                group = []
+            group.append((piece, owner))
+        passes.append(([p for p, _ in group], [o for _, o in group]))
+    return passes
+
+
+def _piece(r: ExtendReq, start: int, step: int) -> ExtendReq:
+    end = min(start + step, len(r.input_ids))
+    return ExtendReq(
+        r.rid,
+        r.input_ids[start:end],
+        r.prefix_slot_ids + r.out_cache_loc[:start],
+        r.out_cache_loc[start:end],
+        r.sampling,
+        last_chunk=r.last_chunk and end == len(r.input_ids),
+    )
 
 
 def split_lm_head(model: nn.Module):
