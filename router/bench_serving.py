@@ -22,8 +22,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ import httpx
 
 from common.blas import OPENBLAS_PATHS
 from common.ipc import free_ports
+from common.server_process import ServerProcess
 from router.bench_report import (
     CpuMeter,
     RequestResult,
@@ -58,6 +57,7 @@ from router.bench_workloads import (
     spec_from_args,
     standard_suite,
 )
+from router.model_files import load_tokenizer
 
 BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm")
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
@@ -88,64 +88,44 @@ class PlannedRun:
 # --------------------------------------------------------------------------- servers
 
 
-class ManagedServer:
+class ManagedServer(ServerProcess):
     """A backend the bench starts on free loopback ports and always stops."""
 
     def __init__(self, backend: str, model: str, log_dir: Path, extra: list[str]):
         self.backend = backend
         self.port, self.zmq_port = free_ports(2)
         self.hf_cache = tempfile.mkdtemp(prefix="bench-hf-")  # mlx_lm.server needs one offline
-        self.env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=self.hf_cache)
-        self.log_path = log_dir / f"{backend}.log"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=self.hf_cache)
         # fmt: off
         if backend == "mlx-lm":
-            self.cmd = [sys.executable, "-c", MLX_LM_MAIN, "--model", model,
-                        "--host", "127.0.0.1", "--port", str(self.port)]
+            cmd = [sys.executable, "-c", MLX_LM_MAIN, "--model", model,
+                   "--host", "127.0.0.1", "--port", str(self.port)]
         else:
-            self.cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(self.port),
-                        "--zmq-port", str(self.zmq_port), *extra]
-        # fmt: on
+            cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(self.port),
+                   "--zmq-port", str(self.zmq_port), *extra]
             if backend == "radix-mlx-no-cache":
-                self.cmd.append("--disable-radix-cache")
-        self.proc: subprocess.Popen | None = None
+                cmd.append("--disable-radix-cache")
+        # fmt: on
+        url = f"http://127.0.0.1:{self.port}"
+        super().__init__(cmd, url, log_dir / f"{backend}.log", env)
 
     @property
     def endpoint(self) -> Endpoint:
         zmq = f"tcp://127.0.0.1:{self.zmq_port}" if self.backend != "mlx-lm" else None
         pid = self.proc.pid if self.proc is not None else None
-        return Endpoint(self.backend, f"http://127.0.0.1:{self.port}", zmq, pid)
+        return Endpoint(self.backend, self.url, zmq, pid)
 
     def start(self, timeout: float = 300) -> Endpoint:
-        """Spawn and wait for /health; the log is shown if it dies first."""
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.backend} exited early:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.endpoint.url + "/health", timeout=2).status_code == 200:
-                    return self.endpoint
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.backend} did not become healthy:\n{self.log_tail()}")
+        try:
+            super().start(timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.backend}: {str(exc)[-4000:]}") from None
+        return self.endpoint
 
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self) -> int:
+        code = super().stop()
         shutil.rmtree(self.hf_cache, ignore_errors=True)
+        return code
 
 
 # --------------------------------------------------------------------------- transports
@@ -346,12 +326,6 @@ def resolve_model(args: argparse.Namespace) -> str:
     from common.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(preset=args.preset))
-
-
-def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 async def run_backend(
