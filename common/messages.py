@@ -237,6 +237,7 @@ class ClientGenerate:
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
+    api_key: str | None = None  # required when the server runs with --api-key
 
 
 @dataclass

@@ -109,8 +109,8 @@ def _result(c: StreamChunk) -> GenerateResult:
 class Client:
     """Blocking client; one request at a time per instance."""
 
-    def __init__(self, address: str, timeout: float | None = 600.0):
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, timeout: float | None = 600.0, api_key: str | None = None):
+        self.address, self.timeout, self.api_key = address, timeout, api_key
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -146,6 +146,7 @@ class Client:
 
     def _run(self, req: ClientGenerate, timeout: float | None) -> Iterator[StreamChunk]:
         timeout = timeout if timeout is not None else self.timeout
+        req.api_key = self.api_key
         self._sock.send(encode(req))
         done = False
         try:
@@ -183,8 +184,8 @@ class Client:
 class AsyncClient:
     """asyncio client; any number of concurrent requests share one connection."""
 
-    def __init__(self, address: str, timeout: float | None = 600.0):
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, timeout: float | None = 600.0, api_key: str | None = None):
+        self.address, self.timeout, self.api_key = address, timeout, api_key
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -241,6 +242,7 @@ class AsyncClient:
 
     async def _run(self, req: ClientGenerate, timeout) -> AsyncIterator[StreamChunk]:
         timeout = timeout if timeout is not None else self.timeout
+        req.api_key = self.api_key
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         if req.rid in self._queues:

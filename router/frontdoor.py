@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 
@@ -38,7 +39,8 @@ PROBE_RID = "\x00probe"  # no request uses it: SDK clients drop the probe
 
 
 class FrontDoor:
-    def __init__(self, address: str, manager: RouterManager, tokenizer):
+    def __init__(self, address: str, manager: RouterManager, tokenizer, api_key: str | None = None):
+        self.api_key = api_key
         self.manager = manager
         self.tokenizer = tokenizer
         self.tok = Tokenization(tokenizer, manager)
@@ -76,6 +78,10 @@ class FrontDoor:
                 if task is not None:
                     self.aborted.add(key)
                     task.cancel()
+                continue
+            if self.api_key and not hmac.compare_digest(msg.api_key or "", self.api_key):
+                error = ClientError(msg.rid, "invalid or missing API key", "invalid_api_key", 401)
+                await self._send(ident, error)
                 continue
             if key in self.tasks:
                 await self._send(ident, ClientError(msg.rid, f"request id {msg.rid!r} in use"))

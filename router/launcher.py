@@ -103,7 +103,7 @@ async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dic
         if not await _wait_ready(manager, children):
             return 1
         zmq_port = args.zmq_port or args.port + 1
-        frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer)
+        frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer, args.api_key)
         door = asyncio.create_task(frontdoor.serve())
         app = create_app(manager, tokenizer, args, metrics)
         config = uvicorn.Config(

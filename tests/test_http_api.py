@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from router.client import Client, RadixMLXError
 from router.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from router.openai_api import TokenPieces, chat_logprobs, completion_logprobs
 from tests.conftest import load_model, mlx_greedy
@@ -328,6 +329,15 @@ def test_api_key_body_limit_and_context_length(tiny_model, tmp_path):
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="sesame", max_retries=0) as ok:
             r = ok.completions.create(model="", prompt=[5, 6], max_tokens=2, temperature=0)
             assert r.choices[0].finish_reason == "length"
+
+        # The SDK front door asks for the same key.
+        for key in (None, "wrong"):
+            with Client(srv.zmq_address, timeout=30, api_key=key) as sdk:
+                with pytest.raises(RadixMLXError, match="API key") as err:
+                    sdk.generate(input_ids=[5, 6], max_new_tokens=2)
+                assert err.value.status == 401
+        with Client(srv.zmq_address, timeout=30, api_key="sesame") as sdk:
+            assert sdk.generate(input_ids=[5, 6], max_new_tokens=2).finish_reason == "length"
     finally:
         srv.stop()
 
