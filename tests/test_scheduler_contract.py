@@ -175,11 +175,22 @@ def test_retracted_request_resumes_from_its_flushed_decode_kv(make_harness):
     rng = random.Random(9)
     a, b = toks(rng, 10), toks(rng, 11)
     comb = [t for t in range(2, V) if t not in (a[0], b[0])][:29]
-    for t in comb:
+    for t in comb[:-1]:
         h.submit(f"one{t}", [t], 1)
     h.wait_done()
-    h.submit("a", a, 70)  # admitted at prompt + 0.7 * 70 each; together they need 161
-    h.submit("b", b, 70)
+
+    def submit_pair(msg) -> bool:
+        """a and b arrive while the last one-token prompt is in flight, so both wait and are
+        admitted in one prefill batch: the staging needs them in lockstep."""
+        if isinstance(msg, ExtendBatch) and any(r.rid == "last" for r in msg.reqs):
+            h.submit("a", a, 70)  # admitted at prompt + 0.7 * 70 each; together they need 161
+            h.submit("b", b, 70)
+            time.sleep(0.05)
+            return True
+        return False
+
+    h.on_worker(submit_pair)
+    h.submit("last", [comb[-1]], 1)
 
     def hook(msg) -> bool:
         if any(r.rid == "b" for r in msg.release) and not h.done("b"):
