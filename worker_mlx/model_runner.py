@@ -145,7 +145,8 @@ class ModelRunner:
             rows.append(self.model(tokens, cache=plan.layer_caches())[:, -1, :])
             plan.end_step()
         buffers = [a for plan in plans for a in plan.keys + plan.values]
-        out = self._sample_and_record(mx.concatenate(rows), states, buffers)
+        logits = rows[0] if len(rows) == 1 else mx.concatenate(rows)
+        out = self._sample_and_record(logits, states, buffers)
         for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
         return out
