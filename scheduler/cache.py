@@ -13,6 +13,8 @@ from scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from scheduler.radix_cache import RadixCache
 from scheduler.request import Req
 
+EVICT_FRACTION = 1024  # evict at least capacity / 1024 tokens when short
+
 
 class KVCacheManager:
     def __init__(self, num_slots: int, max_requests: int, disable_radix_cache: bool, debug=False):
@@ -42,7 +44,10 @@ class KVCacheManager:
         """n fresh slots, evicting least-recently-used cache when short."""
         short = n - self.allocator.available_size()
         if short > 0:
-            self.evicted_tokens += self.tree.evict(short)
+            # Each eviction walks the trie, so free a slice of the pool at once rather than
+            # exactly what this step needs: a full pool would otherwise walk it every step.
+            batch = max(short, self.capacity // EVICT_FRACTION)
+            self.evicted_tokens += self.tree.evict(batch)
         return self.allocator.alloc(n)
 
     def admit(self, req: Req, new_len: int) -> tuple[list[int], list[int]] | None:

@@ -1,0 +1,20 @@
+"""KVCacheManager: allocation under pressure evicts in batches, not token by token."""
+
+from __future__ import annotations
+
+from scheduler.cache import EVICT_FRACTION, KVCacheManager
+
+
+def test_full_pool_evicts_a_batch_so_the_next_steps_need_no_trie_walk():
+    kv = KVCacheManager(num_slots=8192, max_requests=4, disable_radix_cache=False)
+    for i in range(64):  # fill the pool with idle cached sequences of 128 tokens
+        slots = kv.allocator.alloc(128)
+        assert kv.tree.insert([i] + list(range(1000, 1127)), slots) == 0
+    assert kv.allocator.available_size() == 0
+    assert kv.alloc(1) is not None
+    freed = kv.evicted_tokens
+    assert freed >= 8192 // EVICT_FRACTION
+    for _ in range(freed - 1):  # the rest of the batch serves later steps without evicting
+        assert kv.alloc(1) is not None
+    assert kv.evicted_tokens == freed
+    assert kv.allocator.available_size() == 0  # exactly the batch was freed and used
