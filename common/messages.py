@@ -186,6 +186,9 @@ class DecodeBatch:
     rids: list[str]
     out_cache_loc: list[int]
     release: list[ReleaseReq] = field(default_factory=list)
+    # The scheduler expects to decode the same requests next: the worker may compute that
+    # step while the scheduler handles this one (it is dropped if the next message differs).
+    lookahead: bool = False
 
 
 @dataclass

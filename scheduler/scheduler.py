@@ -175,7 +175,11 @@ class Scheduler:
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        return DecodeBatch(self.step, [r.rid for r in self.running], locs, self._take_release())
+        lookahead = not (self.waiting or self.chunked) and all(
+            r.remaining_new_tokens >= 2 for r in self.running
+        )  # nothing to prefill next and nobody reaches max_new_tokens at this step
+        rids = [r.rid for r in self.running]
+        return DecodeBatch(self.step, rids, locs, self._take_release(), lookahead)
 
     def _retract_one(self) -> None:
         """Send the request with the least progress back to the queue; its KV stays cached."""

@@ -148,3 +148,37 @@ def test_prefill_in_rounds_matches_mlx_lm(tiny_model, batched):
     outs = _generate(runner, prompts, SamplingParams(temperature=0), 6)
     for row, prompt in enumerate(prompts):
         assert [o.next_token_ids[row] for o in outs] == mlx_greedy(tiny_model, prompt, 6)
+
+
+def test_lookahead_steps_match_mlx_lm_and_are_undone_when_unused(tiny_model):
+    """Decode steps computed ahead are used when the next descriptor matches and undone
+    when it does not: a release, an extend in between, a different request set."""
+    runner = _runner(tiny_model)
+    slots = iter(range(1, 513))
+    greedy = SamplingParams(temperature=0)
+
+    def extend(rid, prompt, step):
+        req = ExtendReq(rid, prompt, [], [next(slots) for _ in prompt], greedy)
+        out = runner.extend(ExtendBatch(step, [req]))
+        runner.run_ahead()
+        return out.next_token_ids
+
+    def decode(rids, step, release=()):
+        batch = DecodeBatch(step, rids, [next(slots) for _ in rids], list(release), True)
+        out = runner.decode(batch)
+        runner.run_ahead()
+        return out.next_token_ids
+
+    got = {"a": extend("a", PROMPTS[0], 0), "b": extend("b", PROMPTS[1], 1)}
+    step = 2
+    for n in range(12):  # same set (used), then an extend and a release (both undone)
+        if n == 4:
+            got["c"] = extend("c", PROMPTS[2], step)
+            step += 1
+        rids = [r for r in ("a", "b", "c") if r in got and not (r == "b" and n >= 8)]
+        release = [ReleaseReq("b", flush=True)] if n == 8 else []
+        for rid, tok in zip(rids, decode(rids, step, release)):
+            got[rid].append(tok)
+        step += 1
+    for rid, prompt in zip("abc", PROMPTS):
+        assert got[rid] == mlx_greedy(tiny_model, prompt, len(got[rid])), rid

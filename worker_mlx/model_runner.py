@@ -34,6 +34,13 @@ class ReqState:
 
 
 @dataclass
+class _Lookahead:
+    rids: list[str]
+    plan: DecodePlan
+    tokens: mx.array
+
+
+@dataclass
 class StepOutput:
     rids: list[str]
     next_token_ids: list[int]
@@ -59,10 +66,13 @@ class ModelRunner:
         self.decode_plan: DecodePlan | None = None
         self.solo_plans: dict[str, DecodePlan] = {}
         self.body, self.head = split_lm_head(model)
+        self.ahead: _Lookahead | None = None  # a decode step computed before it was asked for
+        self.lookahead_rids: list[str] | None = None
 
     # ------------------------------------------------------------ extend
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
+        self._take_lookahead(None)
         self.release(batch.release)
         for r in batch.reqs:
             self._check_extend(r)
@@ -129,6 +139,7 @@ class ModelRunner:
     # ------------------------------------------------------------ decode
 
     def decode(self, batch: DecodeBatch) -> StepOutput:
+        ahead = self._take_lookahead(batch)
         self.release(batch.release)
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
@@ -137,7 +148,22 @@ class ModelRunner:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         self._check_slots("decode", batch.out_cache_loc)
         states = [self.reqs[rid] for rid in batch.rids]
-        plans = self._decode_plans(batch.rids, states)
+        if ahead is not None:
+            out = StepOutput(list(batch.rids), ahead.tokens.tolist())
+            for s, tok in zip(states, out.next_token_ids):
+                s.last_token = tok
+        else:
+            out = self._decode_step(batch.rids, states)
+        for s, loc in zip(states, batch.out_cache_loc):
+            s.slots.append(loc)
+        can_look = self.batched and all(
+            s.sampling.greedy and s.penalty is None and not s.sampling.logprobs for s in states
+        )
+        self.lookahead_rids = list(batch.rids) if batch.lookahead and can_look else None
+        return out
+
+    def _decode_step(self, rids: list[str], states: list[ReqState]) -> StepOutput:
+        plans = self._decode_plans(rids, states)
         rows = []
         for plan in plans:
             plan.begin_step()
@@ -146,10 +172,35 @@ class ModelRunner:
             plan.end_step()
         buffers = [a for plan in plans for a in plan.keys + plan.values]
         logits = rows[0] if len(rows) == 1 else mx.concatenate(rows)
-        out = self._sample_and_record(logits, states, buffers)
-        for s, loc in zip(states, batch.out_cache_loc):
-            s.slots.append(loc)
-        return out
+        return self._sample_and_record(logits, states, buffers)
+
+    def run_ahead(self) -> None:
+        """Start the next decode step of a lookahead batch (called after the reply went out,
+        so it computes while the scheduler works). Greedy rows only: nothing to undo but
+        the buffer column if the next descriptor turns out different."""
+        rids, self.lookahead_rids = self.lookahead_rids, None
+        plan = self.decode_plan
+        if rids is None or plan is None or plan.rids != rids:
+            return
+        plan.begin_step()
+        tokens = mx.array([[self.reqs[rid].last_token] for rid in rids])
+        logits = self.model(tokens, cache=plan.layer_caches())[:, -1, :]
+        plan.end_step()
+        ahead = _Lookahead(rids, plan, mx.argmax(logits, axis=-1))
+        mx.async_eval(ahead.tokens, plan.keys, plan.values)
+        self.ahead = ahead
+
+    def _take_lookahead(self, batch: DecodeBatch | None) -> _Lookahead | None:
+        """The step computed ahead if `batch` is exactly it; otherwise undo it."""
+        ahead, self.ahead = self.ahead, None
+        self.lookahead_rids = None
+        if ahead is None:
+            return None
+        same = batch is not None and not batch.release and batch.rids == ahead.rids
+        if same and self.decode_plan is ahead.plan:
+            return ahead
+        ahead.plan.idx -= 1  # forget the column it wrote; the next real step overwrites it
+        return None
 
     def _decode_plans(self, rids: list[str], states: list[ReqState]) -> list[DecodePlan]:
         """The decode buffer(s) for `rids`, rebuilt from the pool when the set changed."""
@@ -203,6 +254,7 @@ class ModelRunner:
         """Flush (finished) or drop (aborted) requests before the scheduler reuses their slots."""
         if not release:
             return
+        self._take_lookahead(None)
         dropped = {r.rid for r in release if not r.flush}
         self._flush(skip=dropped)
         self.decode_plan = None

@@ -69,6 +69,7 @@ def serve(runner, inbox, outbox) -> None:
         reply = execute(runner, msg)
         if reply is not None:
             outbox.send(encode(reply))
+        runner.run_ahead()  # the next decode step computes while the scheduler works
 
 
 def execute(runner, msg) -> StepResult | WorkerError | None:
