@@ -21,6 +21,7 @@ class ServerArgs:
     prefill_step_size: int | None = None
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
     context_length: int | None = None
     decode_log_interval: int = 40
     log_level: str = "info"
@@ -93,6 +94,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     a("--schedule-policy", choices=["lpm", "fcfs"], default=d.schedule_policy)
     a("--disable-radix-cache", action="store_true", help="never reuse a cached prefix")
+    a(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="never let the worker compute a decode step before it is asked for",
+    )
     a("--context-length", type=int, default=None, help="override the model's context length")
     a("--decode-log-interval", type=int, default=d.decode_log_interval)
     a("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])

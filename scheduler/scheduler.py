@@ -175,7 +175,9 @@ class Scheduler:
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        lookahead = not (self.waiting or self.chunked) and all(
+        lookahead = not (
+            self.args.disable_overlap_schedule or self.waiting or self.chunked
+        ) and all(
             r.remaining_new_tokens >= 2 for r in self.running
         )  # nothing to prefill next and nobody reaches max_new_tokens at this step
         rids = [r.rid for r in self.running]
