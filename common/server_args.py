@@ -56,9 +56,6 @@ class ServerArgs:
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     d = ServerArgs(model_path="")

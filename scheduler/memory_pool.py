@@ -6,7 +6,7 @@ to index its KV pool (which has ``size + 1`` rows: row 0 is the padding slot).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 
 class TokenToKVPoolAllocator:
@@ -97,18 +97,6 @@ class ReqToTokenPool:
     def append(self, rid: str, slot_ids: Iterable[int]) -> None:
         self._slots[rid].extend(slot_ids)
 
-    def replace_prefix(self, rid: str, slot_ids: list[int]) -> None:
-        """Overwrite the first ``len(slot_ids)`` entries, e.g. with the trie's copy after insert."""
-        slots = self._slots[rid]
-        if len(slot_ids) > len(slots):
-            raise ValueError(f"prefix of {len(slot_ids)} slots longer than request's {len(slots)}")
-        slots[: len(slot_ids)] = slot_ids
-
     def free(self, rid: str) -> list[int]:
         """Forget the request and return its slot list (the caller decides which slots to free)."""
         return self._slots.pop(rid)
-
-    def all_slots(self) -> Iterator[int]:
-        """Every slot id referenced by any request (for invariant checks)."""
-        for slots in self._slots.values():
-            yield from slots

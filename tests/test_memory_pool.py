@@ -110,22 +110,3 @@ def test_req_pool_copies_input():
     p.alloc("a", src)
     src.append(3)
     assert p.get("a") == [1, 2]
-
-
-def test_req_pool_replace_prefix():
-    p = ReqToTokenPool(1)
-    p.alloc("a", [10, 11, 12, 13])
-    p.replace_prefix("a", [1, 2])
-    assert p.get("a") == [1, 2, 12, 13]
-    p.replace_prefix("a", [])
-    assert p.get("a") == [1, 2, 12, 13]
-    with pytest.raises(ValueError):
-        p.replace_prefix("a", [1, 2, 3, 4, 5])
-
-
-def test_req_pool_all_slots():
-    p = ReqToTokenPool(3)
-    p.alloc("a", [1, 2])
-    p.alloc("b", [3])
-    p.alloc("c", [])
-    assert sorted(p.all_slots()) == [1, 2, 3]
