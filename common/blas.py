@@ -1,4 +1,10 @@
-"""Load OpenBLAS before mlx on Linux: the mlx[cpu] wheel's reference BLAS is 10-40x slower."""
+"""Load OpenBLAS before mlx on Linux: the mlx[cpu] wheel's reference BLAS is 10-40x slower.
+
+OpenBLAS picks its kernels from the CPU model it detects; on CPUs newer than the library
+(or behind a hypervisor that hides the model) it falls back to Prescott's SSE3 kernels,
+4-5x slower again. So unless the user chose one, we pick the kernel set from the CPU's
+feature flags, which every hypervisor reports.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +30,11 @@ def preload_openblas() -> str:
         return loaded or "bundled reference BLAS (mlx imported before preload)"
     for path in OPENBLAS_PATHS:
         if os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            return f"OpenBLAS ({path})"
+            coretype = os.environ.get("OPENBLAS_CORETYPE") or x86_coretype()
+            if coretype:
+                os.environ["OPENBLAS_CORETYPE"] = coretype
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return f"OpenBLAS {_corename(lib) or coretype or ''} ({path})"
     return "bundled reference BLAS (install libopenblas0-pthread for 10-40x faster prefill)"
 
 
@@ -36,3 +45,30 @@ def _loaded_blas() -> str | None:
     except OSError:
         return None
     return "OpenBLAS" if "openblas" in maps else None
+
+
+def x86_coretype(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The best OpenBLAS x86-64 kernel set these CPU flags support (None: let it detect)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError:
+        return None
+    have = set(flags)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= have:
+        return "Cooperlake"
+    if {"avx512f", "avx512bw", "avx512vl"} <= have:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= have:
+        return "Haswell"
+    return None
+
+
+def _corename(lib: ctypes.CDLL) -> str | None:
+    try:
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        return lib.openblas_get_corename().decode()
+    except (AttributeError, UnicodeDecodeError):
+        return None
