@@ -22,6 +22,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    disable_cpu_kernels: bool = False
     context_length: int | None = None
     decode_log_interval: int = 40
     log_level: str = "info"
@@ -95,6 +96,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--disable-overlap-schedule",
         action="store_true",
         help="never let the worker compute a decode step before it is asked for",
+    )
+    a(
+        "--disable-cpu-kernels",
+        action="store_true",
+        help="on the CPU, keep mlx's own exp for SiLU and attention (slower, see docs)",
     )
     a("--context-length", type=int, default=None, help="override the model's context length")
     a("--decode-log-interval", type=int, default=d.decode_log_interval)

@@ -7,7 +7,8 @@ Prints SGLang's bench_one_batch lines for a warm-up and a benchmark pass and app
 JSON line per batch size to bench_results/bench_one_batch.jsonl. With --cached-prefix-len
 each prompt is K tokens already in the pool followed by --input-len new tokens. With
 --compare-mlx-lm it also times mlx-lm's own decode step (generate_step at batch 1,
-BatchGenerator above) in the same run and prints the ratio.
+BatchGenerator above, with mlx's own kernels) in the same run and prints the ratio.
+Decode steps run with the server's lookahead unless --no-overlap.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ BLAS = preload_openblas()
 import mlx.core as mx  # noqa: E402
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
+from worker_mlx import cpu_kernels  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
 from worker_mlx.model_runner import ModelRunner, probe_kv_layout  # noqa: E402
 
@@ -46,8 +48,10 @@ class SlotList:
         return out
 
 
-def run_batch(runner, slots, prompts, prefix_slots, output_len, tag) -> dict:
-    """Extend `prompts` (after `prefix_slots`), decode `output_len - 1` steps, time both."""
+def run_batch(runner, slots, prompts, prefix_slots, output_len, tag, overlap=True) -> dict:
+    """Extend `prompts` (after `prefix_slots`), decode `output_len - 1` steps, time both.
+    With `overlap` each decode step is followed by the lookahead the server's worker runs
+    while the scheduler works (`run_ahead`), so a step costs what it costs in the server."""
     reqs = [
         ExtendReq(f"{tag}-{i}", p, list(prefix_slots), slots.take(len(p)), GREEDY)
         for i, p in enumerate(prompts)
@@ -59,7 +63,9 @@ def run_batch(runner, slots, prompts, prefix_slots, output_len, tag) -> dict:
     decode = []
     for step in range(output_len - 1):
         t = time.perf_counter()
-        runner.decode(DecodeBatch(step + 1, rids, slots.take(len(rids))))
+        more = overlap and step + 2 < output_len
+        runner.decode(DecodeBatch(step + 1, rids, slots.take(len(rids)), lookahead=more))
+        runner.run_ahead()
         decode.append(time.perf_counter() - t)
     total = time.perf_counter() - start
     runner.release([ReleaseReq(rid, flush=False) for rid in rids])
@@ -135,10 +141,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = args.model_path or str(_preset_model(args.preset))
     model, _ = load(path)
     layout = probe_kv_layout(model)
+    uninstall = None if args.disable_cpu_kernels else cpu_kernels.install(model)
     max_bs = max(args.batch_size)
     need = (args.cached_prefix_len + 2 * max_bs * (args.input_len + args.output_len)) * 2 + 64
     runner = ModelRunner(model, MlxKVPool(layout, need), vocab_size=model.args.vocab_size)
-    print(f"model {path}: {layout}, BLAS: {BLAS}")
+    kernels = "on" if uninstall else "off"
+    print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {kernels}")
     results = []
     for bs in args.batch_size:
         slots = SlotList(need)
@@ -160,7 +168,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"--- {tag}: batch size {bs}, input {args.input_len} "
                 f"(+{args.cached_prefix_len} cached), output {args.output_len}"
             )
-            res = run_batch(runner, slots, prompts, prefix_slots, args.output_len, tag)
+            res = run_batch(
+                runner, slots, prompts, prefix_slots, args.output_len, tag, not args.no_overlap
+            )
             row = report(res, bs, args.input_len, args.output_len, args.verbose)
         row.update(
             batch_size=bs,
@@ -171,7 +181,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             blas=BLAS,
         )
         if args.compare_mlx_lm:
+            if uninstall:  # mlx-lm as users run it: its own kernels
+                uninstall()
             base = mlx_lm_decode_step(model, [prefix_ids + p for p in prompts], args.output_len)
+            uninstall = None if args.disable_cpu_kernels else cpu_kernels.install(model)
             row["mlx_lm_median_decode_latency"] = base
             row["decode_ratio_vs_mlx_lm"] = row["median_decode_latency"] / base
             print(
@@ -207,6 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cached-prefix-len", type=int, default=0)
     p.add_argument("--compare-mlx-lm", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--disable-cpu-kernels", action="store_true", help="as the server flag")
+    p.add_argument("--no-overlap", action="store_true", help="decode without the lookahead")
     p.add_argument("--verbose", action="store_true", help="print every decode step")
     p.add_argument("--result-file", default="bench_results/bench_one_batch.jsonl")
     return p.parse_args(argv)

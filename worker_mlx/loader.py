@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
 from common.server_args import ServerArgs
+from worker_mlx import cpu_kernels
 from worker_mlx.kv_pool import MlxKVPool, pool_size
 from worker_mlx.model_runner import DEFAULT_PREFILL_STEP, ModelRunner, probe_kv_layout
 
@@ -19,6 +20,8 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
 
     model, tokenizer, config = load(args.model_path, return_config=True)
     layout = probe_kv_layout(model)
+    if not args.disable_cpu_kernels:
+        cpu_kernels.install(model)
     num_slots = pool_size(layout, args.max_total_tokens, args.mem_fraction_static)
     pool = MlxKVPool(layout, num_slots)
     vocab_size = _vocab_size(model, config)

@@ -1,0 +1,137 @@
+"""The worker's CPU kernels against numpy's exp and mlx's own SiLU and attention."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tests.conftest import load_model, mlx_greedy
+from worker_mlx import cpu_kernels
+from worker_mlx.cpu_kernels import fast_exp, scaled_dot_product_attention, swiglu
+
+
+def test_fast_exp_is_accurate_over_the_float32_range():
+    x = np.concatenate([np.linspace(-86.9, 88, 200_001), [0.0, 1.0, -1e-8, 1e-8]]).astype(
+        np.float32
+    )
+    got = np.array(fast_exp(mx.array(x))).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    rel = np.abs(got - want) / want
+    assert rel.max() < 2e-7
+    assert got[-4] == 1.0 and abs(got[-3] - np.e) < 1e-6
+
+
+def test_fast_exp_edges():
+    x = mx.array([-mx.inf, -1e30, -100.0, -87.5, 89.0, 1e30])
+    got = fast_exp(x).tolist()
+    assert got[:4] == [0.0, 0.0, 0.0, 0.0]  # exactly 0: masked attention weights stay 0
+    assert all(np.isfinite(got[4:])) and got[4] > 1e38
+
+
+def test_fast_exp_other_dtypes():
+    x = mx.linspace(-10, 10, 101).astype(mx.float16)
+    got = fast_exp(x)
+    assert got.dtype == mx.float16
+    assert mx.allclose(got, mx.exp(x), rtol=1e-3).item()
+
+
+@pytest.mark.parametrize("rows", [3, 300])
+def test_swiglu_matches_silu(rows):
+    """300 rows take the vectorised path; 3 (a decode step) keep mlx's own."""
+    x = mx.random.normal((rows, 256), key=mx.random.key(1)) * 10
+    g = mx.random.normal((rows, 256), key=mx.random.key(2)) * 10
+    want = nn.silu(g) * x
+    assert mx.allclose(swiglu(g, x), want, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(swiglu(g, x), want).item() == (g.size < cpu_kernels.MIN_ELEMENTS)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive"])
+@pytest.mark.parametrize("q_len", [1, 6])
+def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len):
+    keys = mx.random.split(mx.random.key(heads * 10 + kv_heads + q_len), 4)
+    B, S, D = 4, 2100, 16  # over MIN_ELEMENTS scores even for one query per row
+    q = mx.random.normal((B, heads, q_len, D), key=keys[0])
+    k = mx.random.normal((B, kv_heads, S, D), key=keys[1]) * 3
+    v = mx.random.normal((B, kv_heads, S, D), key=keys[2])
+    allowed = mx.random.uniform(shape=(B, 1, q_len, S), key=keys[3]) > 0.4
+    allowed[..., 0] = True
+    mask = {
+        "none": None,
+        "causal": "causal",
+        "bool": allowed,
+        "additive": mx.where(allowed, 0.0, -1e9),
+    }[mask_kind]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    got = scaled_dot_product_attention(q, k, v, None, 0.3, mask)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+@contextlib.contextmanager
+def kernels_on(model: nn.Module):
+    uninstall = cpu_kernels.install(model)
+    assert uninstall is not None
+    try:
+        yield sys.modules[type(model).__module__]
+    finally:
+        uninstall()
+
+
+@pytest.fixture(scope="module")
+def small_model(model_cache) -> str:
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(model_cache, preset="small"))
+
+
+@pytest.mark.parametrize("arch", ["tiny_model", "tiny_llama", "small_model"])
+def test_greedy_generation_unchanged_by_kernels(arch, request):
+    """Prompts of 300 and 700 tokens put prefill through both vectorised kernels."""
+    path = request.getfixturevalue(arch)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (1, 17, 300, 700)]
+    stock = [mlx_greedy(path, prompt, 48) for prompt in prompts]
+    model, _ = load_model(path)
+    with kernels_on(model) as module:
+        assert module.swiglu is cpu_kernels.swiglu
+        fast = [mlx_greedy(path, prompt, 48) for prompt in prompts]
+    assert fast == stock
+
+
+def test_uninstall_restores_stock_functions(tiny_model):
+    from mlx_lm.models import activations, base
+
+    model, _ = load_model(tiny_model)
+    with kernels_on(model) as module:
+        assert module.swiglu is not activations.swiglu
+    assert module.swiglu is activations.swiglu
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_install_skips_models_not_using_the_stock_functions():
+    class Custom(nn.Module):
+        def __call__(self, x):
+            return x
+
+    assert cpu_kernels.install(Custom()) is None
+
+
+def test_quantized_kv_and_sinks_keep_the_stock_path(tiny_model):
+    """Attention sinks (and quantized KV caches) go to mlx-lm's own path."""
+    model, _ = load_model(tiny_model)
+    with kernels_on(model) as module:
+        sinks = mx.zeros((4,))
+        q = mx.random.normal((1, 4, 3, 16), key=mx.random.key(0))
+        kv = mx.random.normal((1, 2, 3, 16), key=mx.random.key(1))
+        got = module.scaled_dot_product_attention(
+            q, kv, kv, None, scale=0.25, mask=None, sinks=sinks
+        )
+        want = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.25, mask=None, sinks=sinks)
+        assert mx.array_equal(got, want).item()
