@@ -38,12 +38,15 @@ class ExtendPlan:
         # A batch of one gets a plain int: the fallback path for models whose RoPE cannot
         # take per-row offsets.
         self.offset = len(prefix_slots[0]) if B == 1 else prefix_lens
-        self.prefix_idx = (
-            mx.array([p + [0] * (P - len(p)) for p in prefix_slots], dtype=mx.int32) if P else None
+        new_idx = [loc + [0] * (L - len(loc)) for loc in out_locs]
+        self.write_idx = mx.array(new_idx, dtype=mx.int32).reshape(B * L)
+        # with a prefix, attention reads every column back from the pool after the write:
+        # prefix slots right-padded to P, then the new tokens' slots
+        self.read_idx = (
+            mx.array([p + [0] * (P - len(p)) + n for p, n in zip(prefix_slots, new_idx)], mx.int32)
+            if P
+            else None
         )
-        self.write_idx = mx.array(
-            [loc + [0] * (L - len(loc)) for loc in out_locs], dtype=mx.int32
-        ).reshape(B * L)
         cols = mx.arange(P + L)
         prefix_ok = cols[None, :] < prefix_lens[:, None]  # (B, P+L)
         causal = (cols[None, :] >= P) & (cols[None, :] - P <= mx.arange(L)[:, None])  # (L, P+L)
@@ -72,12 +75,10 @@ class ExtendLayerCache:
         flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
         pool.write(self.layer, plan.write_idx, flat_k, flat_v)
-        if plan.prefix_idx is None:
+        if plan.read_idx is None:
             return keys, values
-        pk, pv = pool.gather(self.layer, plan.prefix_idx)  # (B, P, H, D)
-        keys = mx.concatenate([pk.transpose(0, 2, 1, 3), keys], axis=2)
-        values = mx.concatenate([pv.transpose(0, 2, 1, 3), values], axis=2)
-        return keys, values
+        k, v = pool.gather(self.layer, plan.read_idx)  # (B, P+L, H, D), no concatenation
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 class DecodePlan:
@@ -87,7 +88,7 @@ class DecodePlan:
 
     def __init__(self, pool: MlxKVPool, rids: list[str], slots: list[list[int]]):
         self.pool = pool
-        self.rids = rids
+        self.rids = list(rids)  # a copy: the caller's list may change, this plan's rows do not
         lens = [len(s) for s in slots]
         T = max(lens)
         cap = _round_up(T + 1, self.GROW_STEP)

@@ -28,6 +28,7 @@ import mlx.core as mx  # noqa: E402
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
 from worker_mlx import cpu_kernels  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
+from worker_mlx.loader import keep_buffers  # noqa: E402
 from worker_mlx.model_runner import ModelRunner, probe_kv_layout  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from mlx_lm import load
 
     path = args.model_path or str(_preset_model(args.preset))
+    keep_buffers()
     model, _ = load(path)
     layout = probe_kv_layout(model)
     uninstall = None if args.disable_cpu_kernels else cpu_kernels.install(model)

@@ -14,10 +14,23 @@ from worker_mlx.model_runner import DEFAULT_PREFILL_STEP, ModelRunner, probe_kv_
 
 logger = logging.getLogger("worker")
 
+# MLX keeps freed buffers for reuse up to this many bytes. Its CPU default here is 32 MiB,
+# less than one prefill's attention scores, so every step returned its temporaries to the
+# OS and page-faulted them back: a 1 GiB cache made a 2,048-token prefill 1.3-1.6x faster.
+BUFFER_CACHE_BYTES = 1 << 30
+
+
+def keep_buffers() -> None:
+    """Raise (never lower) MLX's buffer cache to BUFFER_CACHE_BYTES."""
+    current = mx.set_cache_limit(BUFFER_CACHE_BYTES)
+    if current > BUFFER_CACHE_BYTES:
+        mx.set_cache_limit(current)
+
 
 def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     from mlx_lm import load
 
+    keep_buffers()
     model, tokenizer, config = load(args.model_path, return_config=True)
     layout = probe_kv_layout(model)
     if not args.disable_cpu_kernels:
