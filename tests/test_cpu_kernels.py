@@ -96,10 +96,11 @@ def small_model(model_cache) -> str:
 
 @pytest.mark.parametrize("arch", ["tiny_model", "tiny_llama", "small_model"])
 def test_greedy_generation_unchanged_by_kernels(arch, request):
-    """Prompts of 300 and 700 tokens put prefill through both vectorised kernels."""
+    """Prompts of 300 and 1,100 tokens put prefill through both vectorised kernels, and decode
+    steps past 1,024 tokens through the one-query attention."""
     path = request.getfixturevalue(arch)
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (1, 17, 300, 700)]
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (1, 17, 300, 1100)]
     stock = [mlx_greedy(path, prompt, 48) for prompt in prompts]
     model, _ = load_model(path)
     with kernels_on(model) as module:

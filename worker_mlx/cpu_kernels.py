@@ -34,6 +34,9 @@ EXP_MIN, EXP_MAX = -88.0, 88.0
 # Below this many elements the vectorised exp's extra kernel launches cost more than the
 # scalar exp: decode steps keep mlx's own ops.
 MIN_ELEMENTS = 1 << 15
+# One query per row (decode, or a prompt whose prefix is all cached) gains sooner: its
+# matmuls, not its exp, are what the stock path does slowly.
+MIN_ONE_QUERY_ELEMENTS = 1 << 12
 
 
 @partial(mx.compile, shapeless=True)
@@ -93,7 +96,7 @@ def scaled_dot_product_attention(
     are stacked along the sequence axis, so each KV head is one matmul."""
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
-    if B * H * L * S < MIN_ELEMENTS:
+    if B * H * L * S < (MIN_ELEMENTS if L > 1 else MIN_ONE_QUERY_ELEMENTS):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     rep = H // Hk
     q = (queries * scale).reshape(B, Hk, rep * L, D)
