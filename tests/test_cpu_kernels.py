@@ -139,3 +139,46 @@ def test_quantized_kv_and_sinks_keep_the_stock_path(tiny_model):
         )
         want = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.25, mask=None, sinks=sinks)
         assert mx.array_equal(got, want).item()
+
+
+def test_batched_runner_with_kernels_matches_stock_generation(small_model):
+    """Eight requests batched through the ModelRunner with the kernels on (decode rows at
+    batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm."""
+    from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
+    from worker_mlx.kv_pool import MlxKVPool
+    from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+
+    rng = random.Random(11)
+    prompts = [
+        [rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 90, 160, 250, 330, 410, 520)
+    ]
+    steps = 24
+    want = [mlx_greedy(small_model, p, steps) for p in prompts]
+    model, _ = load_model(small_model)
+    with kernels_on(model):
+        runner = ModelRunner(model, MlxKVPool(probe_kv_layout(model), 4096), 512)
+        slots = iter(range(1, 4097))
+        params = SamplingParams(temperature=0, max_new_tokens=steps)
+        reqs = [
+            ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)
+            for i, p in enumerate(prompts)
+        ]
+        rids = [r.rid for r in reqs]
+        out = runner.extend(ExtendBatch(0, reqs))
+        got = [[t] for t in out.next_token_ids]
+        for step in range(1, steps):
+            out = runner.decode(DecodeBatch(step, rids, [next(slots) for _ in rids]))
+            for row, t in zip(got, out.next_token_ids):
+                row.append(t)
+    assert got == want
+
+
+def test_install_refuses_kernels_that_disagree(tiny_model, monkeypatch):
+    from mlx_lm.models import activations
+
+    model, _ = load_model(tiny_model)
+    module = sys.modules[type(model).__module__]
+    monkeypatch.setattr(cpu_kernels, "swiglu", lambda g, x: nn.silu(g * 1.001) * x)
+    assert not cpu_kernels.agrees_with_stock()
+    assert cpu_kernels.install(model) is None
+    assert module.swiglu is activations.swiglu

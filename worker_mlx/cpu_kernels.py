@@ -32,11 +32,8 @@ ROUND = 12582912.0  # 1.5 * 2**23: adding it rounds a float32 to the nearest int
 # would make denormal products in the attention matmul, 100x slower on x86.
 EXP_MIN, EXP_MAX = -88.0, 88.0
 # Below this many elements the vectorised exp's extra kernel launches cost more than the
-# scalar exp: decode steps keep mlx's own ops.
-MIN_ELEMENTS = 1 << 15
-# One query per row (decode, or a prompt whose prefix is all cached) gains sooner: its
-# matmuls, not its exp, are what the stock path does slowly.
-MIN_ONE_QUERY_ELEMENTS = 1 << 12
+# scalar exp saves (a batch-1 decode step keeps mlx's own ops; batch 8 does not).
+MIN_ELEMENTS = 1 << 12
 
 
 @partial(mx.compile, shapeless=True)
@@ -96,7 +93,7 @@ def scaled_dot_product_attention(
     are stacked along the sequence axis, so each KV head is one matmul."""
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
-    if B * H * L * S < (MIN_ELEMENTS if L > 1 else MIN_ONE_QUERY_ELEMENTS):
+    if B * H * L * S < MIN_ELEMENTS:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     rep = H // Hk
     q = (queries * scale).reshape(B, Hk, rep * L, D)
@@ -177,18 +174,20 @@ def _sdpa_or_stock(stock: Callable) -> Callable:
 
 
 def agrees_with_stock(atol: float = 1e-5) -> bool:
-    """A start-up check on random inputs, masked and grouped-query attention included."""
+    """A start-up check on random inputs big enough for the vectorised paths: SwiGLU, and
+    attention with and without masks, grouped-query, one query per row and many."""
     k0, k1, k2, k3 = mx.random.split(mx.random.key(0), 4)
-    q = mx.random.normal((2, 4, 5, 16), key=k0)
-    k = mx.random.normal((2, 2, 9, 16), key=k1)
-    v = mx.random.normal((2, 2, 9, 16), key=k2)
-    mask = mx.random.uniform(shape=(2, 1, 5, 9), key=k3) > 0.3
-    mask[..., -1] = True  # every query sees at least one key
-    x = mx.random.normal((3, 64), key=k3) * 8
+    k = mx.random.normal((2, 2, 600, 16), key=k1)
+    v = mx.random.normal((2, 2, 600, 16), key=k2)
+    x = mx.random.normal((64, 128), key=k3) * 8
     checks = [(swiglu(x, x), nn.silu(x) * x)]
-    for m in (None, "causal", mask):
-        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
-        checks.append((scaled_dot_product_attention(q, k, v, None, 0.25, m), ref))
+    for L in (1, 8):
+        q = mx.random.normal((2, 4, L, 16), key=k0)
+        mask = mx.random.uniform(shape=(2, 1, L, 600), key=k3) > 0.3
+        mask[..., -1] = True  # every query sees at least one key
+        for m in (None, "causal", mask):
+            ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+            checks.append((scaled_dot_product_attention(q, k, v, None, 0.25, m), ref))
     ok = all(mx.allclose(a, b, rtol=1e-5, atol=atol).item() for a, b in checks)
     if not ok:
         logger.warning("CPU kernels disagree with mlx's own; keeping mlx's")
