@@ -100,7 +100,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a(
         "--disable-cpu-kernels",
         action="store_true",
-        help="on the CPU, keep mlx's own exp for SiLU and attention (slower, see docs)",
+        help="on the CPU, keep mlx's own exp and an uncompiled decode step (slower; see docs)",
     )
     a("--context-length", type=int, default=None, help="override the model's context length")
     a("--decode-log-interval", type=int, default=d.decode_log_interval)

@@ -29,11 +29,11 @@ def other_arch(request, model_cache) -> str:
     return str(ensure_tiny_model(model_cache, preset="tiny", arch=request.param))
 
 
-def _check_parity(path: str, n: int = 8) -> None:
+def _check_parity(path: str, n: int = 8, compile_decode: bool = True) -> None:
     model, _ = load_model(path)
     layout = probe_kv_layout(model)
-    assert batched_path_works(model, layout, 512)
-    runner = ModelRunner(model, MlxKVPool(layout, 256), 512)
+    assert batched_path_works(model, layout, 512, compile_decode)
+    runner = ModelRunner(model, MlxKVPool(layout, 256), 512, compile_decode=compile_decode)
     slots = iter(range(1, 257))
     greedy = SamplingParams(temperature=0)
     reqs = [
@@ -47,8 +47,9 @@ def _check_parity(path: str, n: int = 8) -> None:
         assert [o.next_token_ids[row] for o in outs] == mlx_greedy(path, prompt, n)
 
 
-def test_other_architectures_match_mlx_lm(other_arch):
-    _check_parity(other_arch)
+@pytest.mark.parametrize("compile_decode", [True, False])
+def test_other_architectures_match_mlx_lm(other_arch, compile_decode):
+    _check_parity(other_arch, compile_decode=compile_decode)
 
 
 def test_quantized_model_matches_mlx_lm(quantized_qwen3):

@@ -82,7 +82,9 @@ class Harness:
     `out[rid]` are its sampled tokens.
     """
 
-    def __init__(self, path: str, num_slots: int = N_SLOTS, seed: int = 0):
+    def __init__(
+        self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True
+    ):
         from worker_mlx.kv_pool import MlxKVPool
         from worker_mlx.model_runner import ModelRunner, probe_kv_layout
 
@@ -91,7 +93,9 @@ class Harness:
         self.model = model
         self.vocab = vocab_size(path)
         self.pool = MlxKVPool(probe_kv_layout(model), num_slots)
-        self.runner = ModelRunner(model, self.pool, self.vocab, seed=seed)
+        self.runner = ModelRunner(
+            model, self.pool, self.vocab, seed=seed, compile_decode=compile_decode
+        )
         self.alloc = SlotAllocator(num_slots)
         self.slots: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -229,9 +233,10 @@ def assert_parity(h: Harness, prompts: dict[str, list[int]], got: dict[str, list
 # ---------------------------------------------------------------- 1. batched parity
 
 
+@pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("batch_size", range(1, 9))
-def test_batched_extend_and_decode_match_mlx_lm(model_path, batch_size):
-    h = Harness(model_path)
+def test_batched_extend_and_decode_match_mlx_lm(model_path, batch_size, compile_decode):
+    h = Harness(model_path, compile_decode=compile_decode)
     rng = random.Random(100 + batch_size)
     lengths = [1, 40] + [rng.randint(1, 40) for _ in range(batch_size)]
     prompts = {f"r{i}": random_prompt(rng, lengths[i], h.vocab) for i in range(batch_size)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from worker_mlx.compiled_decode import DecodeStep
 from worker_mlx.kv_pool import MlxKVPool
 
 
@@ -119,6 +120,17 @@ class DecodePlan:
 
     def end_step(self) -> None:
         self.idx += 1
+
+    def run(self, step: DecodeStep, tokens: mx.array) -> mx.array:
+        """One decode step through a compiled `step` (see compiled_decode); the logits."""
+        if self.idx >= self.keys[0].shape[2]:
+            self._grow()
+        column = mx.array([self.idx], dtype=mx.int32)
+        logits, self.keys, self.values = step(
+            tokens, column, self._left_pad_arr, self.keys, self.values
+        )
+        self.idx += 1
+        return logits
 
     def _grow(self) -> None:
         """Double the capacity; the only concatenation, amortised over many steps."""

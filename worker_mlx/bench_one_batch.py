@@ -146,7 +146,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     uninstall = None if args.disable_cpu_kernels else cpu_kernels.install(model)
     max_bs = max(args.batch_size)
     need = (args.cached_prefix_len + 2 * max_bs * (args.input_len + args.output_len)) * 2 + 64
-    runner = ModelRunner(model, MlxKVPool(layout, need), vocab_size=model.args.vocab_size)
+    runner = ModelRunner(
+        model,
+        MlxKVPool(layout, need),
+        vocab_size=model.args.vocab_size,
+        compile_decode=not args.disable_cpu_kernels and mx.default_device() == mx.cpu,
+    )
     kernels = "on" if uninstall else "off"
     print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {kernels}")
     results = []

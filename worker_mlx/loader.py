@@ -33,7 +33,8 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     keep_buffers()
     model, tokenizer, config = load(args.model_path, return_config=True)
     layout = probe_kv_layout(model)
-    if not args.disable_cpu_kernels:
+    cpu_path = not args.disable_cpu_kernels and mx.default_device() == mx.cpu
+    if cpu_path:
         cpu_kernels.install(model)
     num_slots = pool_size(layout, args.max_total_tokens, args.mem_fraction_static)
     pool = MlxKVPool(layout, num_slots)
@@ -58,14 +59,16 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         num_slots * layout.bytes_per_slot / 2**20,
         blas,
     )
-    batched = batched_path_works(model, layout, vocab_size)
+    batched = batched_path_works(model, layout, vocab_size, compile_decode=cpu_path)
     if not batched:
         logger.warning(
             "this model's attention cannot run batched with per-row offsets: every request "
             "runs as its own batch (correct, but slower)"
         )
     step = args.prefill_step_size or DEFAULT_PREFILL_STEP
-    runner = ModelRunner(model, pool, vocab_size, args.seed, batched, prefill_step=step)
+    runner = ModelRunner(
+        model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=cpu_path
+    )
     ready = WorkerReady(
         num_slots=num_slots,
         model_type=model_type,
@@ -81,13 +84,16 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     return runner, ready
 
 
-def batched_path_works(model, layout, vocab_size: int) -> bool:
-    """Run two requests batched and one by one; the batched path must agree to be used."""
+def batched_path_works(model, layout, vocab_size: int, compile_decode: bool = False) -> bool:
+    """Run two requests batched and one by one; the batched path must agree to be used.
+    (It also traces and JIT-builds the compiled decode step before the first request.)"""
     params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
     prompts = [[(7 * i + 3) % vocab_size for i in range(9)], [5 % vocab_size, 11 % vocab_size]]
     outputs = []
     for batched in (True, False):
-        runner = ModelRunner(model, MlxKVPool(layout, 64), vocab_size, batched=batched)
+        runner = ModelRunner(
+            model, MlxKVPool(layout, 64), vocab_size, batched=batched, compile_decode=compile_decode
+        )
         slots = iter(range(1, 65))
         reqs = [
             ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)

@@ -15,6 +15,7 @@ import mlx.nn as nn
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.batch_cache import DecodePlan, ExtendPlan
+from worker_mlx.compiled_decode import make_decode_step
 from worker_mlx.kv_pool import KVLayout, MlxKVPool
 from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
 
@@ -55,6 +56,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = DEFAULT_PREFILL_STEP,
+        compile_decode: bool = False,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -66,6 +68,8 @@ class ModelRunner:
         self.decode_plan: DecodePlan | None = None
         self.solo_plans: dict[str, DecodePlan] = {}
         self.body, self.head = split_lm_head(model)
+        # batched decode steps replay one traced graph (per-request fallback stays eager)
+        self.compiled_step = make_decode_step(model) if compile_decode and batched else None
         self.ahead: _Lookahead | None = None  # a decode step computed before it was asked for
         self.lookahead_rids: list[str] | None = None
 
@@ -164,12 +168,7 @@ class ModelRunner:
 
     def _decode_step(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         plans = self._decode_plans(rids, states)
-        rows = []
-        for plan in plans:
-            plan.begin_step()
-            tokens = mx.array([[self.reqs[rid].last_token] for rid in plan.rids])
-            rows.append(self.model(tokens, cache=plan.layer_caches())[:, -1, :])
-            plan.end_step()
+        rows = [self._forward_one_step(plan) for plan in plans]
         buffers = [a for plan in plans for a in plan.keys + plan.values]
         logits = rows[0] if len(rows) == 1 else mx.concatenate(rows)
         return self._sample_and_record(logits, states, buffers)
@@ -182,13 +181,20 @@ class ModelRunner:
         plan = self.decode_plan
         if rids is None or plan is None or plan.rids != rids:
             return
-        plan.begin_step()
-        tokens = mx.array([[self.reqs[rid].last_token] for rid in rids])
-        logits = self.model(tokens, cache=plan.layer_caches())[:, -1, :]
-        plan.end_step()
+        logits = self._forward_one_step(plan)
         ahead = _Lookahead(rids, plan, mx.argmax(logits, axis=-1))
         mx.async_eval(ahead.tokens, plan.keys, plan.values)
         self.ahead = ahead
+
+    def _forward_one_step(self, plan: DecodePlan) -> mx.array:
+        """Logits (B, V) of one decode step of `plan`'s rows, their KV written to its buffer."""
+        tokens = mx.array([[self.reqs[rid].last_token] for rid in plan.rids])
+        if self.compiled_step is not None:
+            return plan.run(self.compiled_step, tokens)
+        plan.begin_step()
+        logits = self.model(tokens, cache=plan.layer_caches())[:, -1, :]
+        plan.end_step()
+        return logits
 
     def _take_lookahead(self, batch: DecodeBatch | None) -> _Lookahead | None:
         """The step computed ahead if `batch` is exactly it; otherwise undo it."""
