@@ -295,6 +295,37 @@ def test_extend_on_cached_prefix(model_path, cut):
     assert h.out["C"] == reference(h.path, other, DECODE_STEPS)
 
 
+@pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "eager"])
+def test_repeated_prompts_extend_one_token(model_path, compile_decode):
+    """Prompts cached but for their last token (sent again): a batch of such extends, one
+    with an empty prefix, then decode; with the compiled step this runs as a decode step."""
+    h = Harness(model_path, compile_decode=compile_decode)
+    rng = random.Random(8)
+    prompts = {"A": random_prompt(rng, 30, h.vocab), "B": random_prompt(rng, 12, h.vocab)}
+    first = generate(h, prompts, 4)
+    for rid in prompts:
+        assert first[rid] == reference(h.path, prompts[rid], 4)
+    solo = random_prompt(rng, 1, h.vocab)
+    h.extend(
+        [
+            h.ereq("A2", prompts["A"][-1:], prefix=h.prefix("A", len(prompts["A"]) - 1)),
+            h.ereq("B2", prompts["B"][-1:], prefix=h.prefix("B", len(prompts["B"]) - 1)),
+            h.ereq("S", solo),
+        ]
+    )
+    # another prompt sharing the extended token right away reads its KV from the pool
+    more = random_prompt(rng, 5, h.vocab)
+    h.extend([h.ereq("C", more, prefix=h.prefix("A2", len(prompts["A"])))])
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["C"] == reference(h.path, prompts["A"] + more, DECODE_STEPS)
+    assert h.out["A2"] == reference(h.path, prompts["A"], DECODE_STEPS)
+    assert h.out["B2"] == reference(h.path, prompts["B"], DECODE_STEPS)
+    assert h.out["S"] == reference(h.path, solo, DECODE_STEPS)
+    h.release([ReleaseReq("A2", flush=True)])
+    h.assert_pool_holds("A2")
+
+
 def test_multi_turn_conversation(model_path):
     """Turn k+1 = turn k's prompt + its output + new user tokens, prefix = all of turn k's KV."""
     h = Harness(model_path)

@@ -81,6 +81,10 @@ class ModelRunner:
         for r in batch.reqs:
             self._check_extend(r)
         self._flush()
+        if self.compiled_step is not None and all(
+            len(r.input_ids) == 1 and r.last_chunk for r in batch.reqs
+        ):
+            return self._extend_one_token(batch.reqs)
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         passes = [p for reqs in groups for p in _rounds(reqs, self.prefill_step)]
         last_logits, states, order = [], [], []
@@ -103,6 +107,21 @@ class ModelRunner:
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
         states = [states[i] for i in perm]
+        out = self._sample_and_record(logits, states, self.pool.arrays())
+        for s in states:
+            self.reqs[s.rid] = s
+        return out
+
+    def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
+        """Prompts whose every token but the last is cached (a repeated prompt): the step
+        is a decode step, so it runs as one on a new decode buffer, which the next decode
+        of the same requests then keeps using instead of gathering it again."""
+        states = [self._new_state(r) for r in reqs]
+        plan = DecodePlan(self.pool, [r.rid for r in reqs], [r.prefix_slot_ids for r in reqs])
+        tokens = mx.array([r.input_ids for r in reqs])
+        logits = plan.run(self.compiled_step, tokens)
+        plan.flush(list(range(len(reqs))), [r.out_cache_loc for r in reqs])  # in the pool now
+        self.decode_plan = plan
         out = self._sample_and_record(logits, states, self.pool.arrays())
         for s in states:
             self.reqs[s.rid] = s
