@@ -244,9 +244,10 @@ def test_batched_extend_and_decode_match_mlx_lm(model_path, batch_size, compile_
     assert_parity(h, prompts, got)
 
 
-def test_decode_buffer_growth_matches_mlx_lm(model_path):
+@pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "eager"])
+def test_decode_buffer_growth_matches_mlx_lm(model_path, compile_decode):
     """Prompts straddling the decode buffer's 256-column capacity, so it grows mid-run."""
-    h = Harness(model_path)
+    h = Harness(model_path, compile_decode=compile_decode)
     rng = random.Random(7)
     prompts = {"long": random_prompt(rng, 250, h.vocab), "short": random_prompt(rng, 3, h.vocab)}
     got = generate(h, prompts, DECODE_STEPS)

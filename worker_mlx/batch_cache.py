@@ -87,12 +87,14 @@ class DecodePlan:
 
     GROW_STEP = 256
 
-    def __init__(self, pool: MlxKVPool, rids: list[str], slots: list[list[int]]):
+    def __init__(
+        self, pool: MlxKVPool, rids: list[str], slots: list[list[int]], free_columns: int = 1
+    ):
         self.pool = pool
         self.rids = list(rids)  # a copy: the caller's list may change, this plan's rows do not
         lens = [len(s) for s in slots]
         T = max(lens)
-        cap = _round_up(T + 1, self.GROW_STEP)
+        cap = _round_up(T + free_columns, self.GROW_STEP)
         self.left_pad = [T - n for n in lens]
         self.idx = T  # next column to write
         self.flushed = T  # columns before this are already in the pool
@@ -109,7 +111,7 @@ class DecodePlan:
 
     def begin_step(self) -> None:
         if self.idx >= self.keys[0].shape[2]:
-            self._grow()
+            self._grow(self.keys[0].shape[2])
         positions = [self.idx - p for p in self.left_pad]
         self.offset = positions[0] if len(positions) == 1 else mx.array(positions, mx.int32)
         if max(self.left_pad) == 0:
@@ -122,9 +124,10 @@ class DecodePlan:
         self.idx += 1
 
     def run(self, step: DecodeStep, tokens: mx.array) -> mx.array:
-        """One decode step through a compiled `step` (see compiled_decode); the logits."""
+        """One decode step through a compiled `step` (see compiled_decode); the logits.
+        Its attention spans the whole capacity, so this grows it by steps, not doubling."""
         if self.idx >= self.keys[0].shape[2]:
-            self._grow()
+            self._grow(self.GROW_STEP)
         column = mx.array([self.idx], dtype=mx.int32)
         logits, self.keys, self.values = step(
             tokens, column, self._left_pad_arr, self.keys, self.values
@@ -132,11 +135,16 @@ class DecodePlan:
         self.idx += 1
         return logits
 
-    def _grow(self) -> None:
-        """Double the capacity; the only concatenation, amortised over many steps."""
+    def _grow(self, columns: int) -> None:
+        """Add `columns` to the capacity; the only concatenation, amortised over many steps."""
         for i in range(len(self.keys)):
-            self.keys[i] = mx.concatenate([self.keys[i], mx.zeros_like(self.keys[i])], axis=2)
-            self.values[i] = mx.concatenate([self.values[i], mx.zeros_like(self.values[i])], axis=2)
+            B, H, _, D = self.keys[i].shape
+            pad = mx.zeros((B, H, columns, D), dtype=self.keys[i].dtype)
+            self.keys[i] = mx.concatenate([self.keys[i], pad], axis=2)
+            self.values[i] = mx.concatenate(
+                [self.values[i], mx.zeros((B, H, columns, self.values[i].shape[3]), pad.dtype)],
+                axis=2,
+            )
 
     def pending(self) -> int:
         """Decode tokens per row that are only in the buffer, not yet in the pool."""

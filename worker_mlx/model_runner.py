@@ -117,7 +117,8 @@ class ModelRunner:
         is a decode step, so it runs as one on a new decode buffer, which the next decode
         of the same requests then keeps using instead of gathering it again."""
         states = [self._new_state(r) for r in reqs]
-        plan = DecodePlan(self.pool, [r.rid for r in reqs], [r.prefix_slot_ids for r in reqs])
+        rids, prefixes = [r.rid for r in reqs], [r.prefix_slot_ids for r in reqs]
+        plan = DecodePlan(self.pool, rids, prefixes, free_columns=2)  # this token and the next
         tokens = mx.array([r.input_ids for r in reqs])
         logits = plan.run(self.compiled_step, tokens)
         plan.flush(list(range(len(reqs))), [r.out_cache_loc for r in reqs])  # in the pool now
