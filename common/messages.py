@@ -259,6 +259,9 @@ class ClientResult:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Per token in `token_ids` when the request asked for logprobs (as TokenOut).
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[Any]] | None = None
 
 
 @dataclass

@@ -68,6 +68,10 @@ class GenerateResult:
     text: str
     finish_reason: str | None
     usage: Usage
+    # with logprobs=True: per output token, its logprob and the top_logprobs best
+    # alternatives as [[token_id, logprob], ...]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[Any]] | None = None
 
 
 @dataclass
@@ -77,6 +81,8 @@ class StreamChunk:
     text: str
     finish_reason: str | None
     usage: Usage
+    logprobs: list[float] | None = None  # per token in token_ids, as GenerateResult's
+    top_logprobs: list[list[Any]] | None = None
 
 
 def _request(
@@ -99,11 +105,15 @@ def _chunk(msg: ClientResult | ClientError) -> StreamChunk:
     if isinstance(msg, ClientError):
         raise RadixMLXError(msg.message, msg.code, msg.status)
     usage = Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
-    return StreamChunk(msg.rid, msg.token_ids, msg.text, msg.finish_reason, usage)
+    return StreamChunk(
+        msg.rid, msg.token_ids, msg.text, msg.finish_reason, usage, msg.logprobs, msg.top_logprobs
+    )
 
 
 def _result(c: StreamChunk) -> GenerateResult:
-    return GenerateResult(c.rid, c.token_ids, c.text, c.finish_reason, c.usage)
+    return GenerateResult(
+        c.rid, c.token_ids, c.text, c.finish_reason, c.usage, c.logprobs, c.top_logprobs
+    )
 
 
 class Client:

@@ -115,6 +115,8 @@ class FrontDoor:
 
     async def _handle(self, ident: bytes, msg: ClientGenerate) -> None:
         text, out_ids, prompt_len, cached = "", [], 0, 0
+        logprobs: list[float] | None = [] if msg.sampling.logprobs else None
+        top_logprobs: list[list] | None = [] if msg.sampling.logprobs else None
         try:
             ids = self._input_ids(msg)
             prompt_len = len(ids)
@@ -127,6 +129,9 @@ class FrontDoor:
                     text += c.text
                     out_ids += c.token_ids
                     cached = c.cached_tokens
+                    if logprobs is not None:
+                        logprobs += c.logprobs or []
+                        top_logprobs += c.top_logprobs or []
                     if not msg.stream and c.finish_reason is None:
                         continue
                     result = ClientResult(
@@ -137,6 +142,8 @@ class FrontDoor:
                         c.prompt_tokens,
                         len(out_ids),
                         c.cached_tokens,
+                        c.logprobs if msg.stream else logprobs,
+                        c.top_logprobs if msg.stream else top_logprobs,
                     )
                     if not await self._send(ident, result):
                         return  # client gone: leaving the loop aborts the request

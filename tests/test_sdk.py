@@ -63,6 +63,32 @@ def test_sync_generate_stream_and_chat(tiny_server, tiny_model):
     assert by_text.output_ids == mlx_greedy(tiny_model, text_ids, 5)
 
 
+def test_logprobs_through_the_sdk_match_the_http_api(tiny_server):
+    import httpx
+
+    prompt = _prompt(3)
+    params = dict(max_new_tokens=6, logprobs=True, top_logprobs=3, **GREEDY)
+    with Client(tiny_server.zmq_address, timeout=60) as client:
+        res = client.generate(input_ids=prompt, **params)
+        chunks = list(client.stream(input_ids=prompt, **params))
+        plain = client.generate(input_ids=prompt, max_new_tokens=6, **GREEDY)
+    assert plain.logprobs is None and plain.top_logprobs is None
+    assert len(res.logprobs) == len(res.top_logprobs) == 6
+    for tok, lp, top in zip(res.output_ids, res.logprobs, res.top_logprobs):
+        assert lp <= 0 and len(top) == 3
+        assert top[0] == [tok, pytest.approx(lp)]  # greedy picked the best
+    # later runs reuse the cached prompt: the same logprobs to float rounding
+    assert [x for c in chunks for x in c.logprobs] == pytest.approx(res.logprobs, abs=1e-4)
+    top_ids = [[alt[0] for alt in top] for top in res.top_logprobs]
+    assert [[alt[0] for alt in top] for c in chunks for top in c.top_logprobs] == top_ids
+    body = httpx.post(
+        tiny_server.url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3},
+        timeout=60,
+    ).json()
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(res.logprobs, abs=1e-4)
+
+
 def test_async_generate_stream_chat_and_abort(tiny_server, tiny_model):
     prompt = _prompt(2)
     expected = mlx_greedy(tiny_model, prompt, 10)
