@@ -44,53 +44,69 @@ _STATUS_CODES = {
 def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI:
     app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, api_key=args.api_key, max_bytes=args.max_request_bytes)
-    tok = Tokenization(tokenizer, manager)
-    pieces = TokenPieces(tokenizer)
-    model_name = args.model_name
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    routes = _Routes(manager, tokenizer, args, metrics)
+    app.get("/health")(routes.health)
+    app.get("/v1/models")(routes.models)
+    app.get("/metrics")(routes.metrics_text)
+    app.post("/v1/completions")(routes.completions)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    return app
 
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError):
-        return JSONResponse(error_body(exc.message, exc.code, exc.status), exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(_describe(exc), "invalid_request_error", 400), 400)
+async def _request_error(_: Request, exc: RequestError):
+    return JSONResponse(error_body(exc.message, exc.code, exc.status), exc.status)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException):
-        code = _STATUS_CODES.get(exc.status_code, "invalid_request_error")
-        body = error_body(str(exc.detail), code, exc.status_code)
-        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
-    @app.get("/health")
-    async def health():
-        if manager.healthy and manager.ready is not None:
+async def _validation_error(_: Request, exc: RequestValidationError):
+    return JSONResponse(error_body(_describe(exc), "invalid_request_error", 400), 400)
+
+
+async def _http_error(_: Request, exc: HTTPException):
+    code = _STATUS_CODES.get(exc.status_code, "invalid_request_error")
+    body = error_body(str(exc.detail), code, exc.status_code)
+    return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+
+class _Routes:
+    """The endpoints, over one router manager and tokenizer."""
+
+    def __init__(self, manager: RouterManager, tokenizer, args, metrics):
+        self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
+        self.tok = Tokenization(tokenizer, manager)
+        self.pieces = TokenPieces(tokenizer)
+        self.model_name = args.model_name
+
+    async def health(self):
+        if self.manager.healthy and self.manager.ready is not None:
             return PlainTextResponse("ok")
-        reason = manager.unhealthy_reason or "starting"
+        reason = self.manager.unhealthy_reason or "starting"
         return PlainTextResponse(reason, status_code=503)
 
-    @app.get("/v1/models")
-    async def models():
+    async def models(self):
         card = {
-            "id": model_name,
+            "id": self.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "radix-mlx",
-            "max_model_len": manager.context_len,
+            "max_model_len": self.manager.context_len,
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        if metrics is None:
+    async def metrics_text(self):
+        if self.metrics is None:
             return PlainTextResponse("", media_type="text/plain")
-        body, content_type = metrics.render()
+        body, content_type = self.metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
-    def check_model(req) -> None:
-        if req.model not in (None, "", model_name, args.model_path):
+    def _check(self, req) -> None:
+        """What any request needs before its prompt is looked at."""
+        self.manager.check_ready()
+        if req.model not in (None, "", self.model_name, self.args.model_path):
             raise RequestError(
-                f"model {req.model!r} does not exist; serving {model_name!r}",
+                f"model {req.model!r} does not exist; serving {self.model_name!r}",
                 "model_not_found",
                 404,
             )
@@ -98,116 +114,91 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
         if problem:
             raise RequestError(problem, "unsupported_parameter")
 
-    def start(ids: list[int], sampling, req, rid: str) -> AsyncIterator[Chunk]:
-        tok.check_ids(ids, sampling)
-        chunks = generate_text(manager, tokenizer, ids, sampling, req.stop_strings(), rid)
-        return track_finish(chunks, metrics, rid)
+    def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Chunk]:
+        """The request's chunks of generated text."""
+        self.tok.check_ids(ids, sampling)
+        stops = req.stop_strings()
+        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
+        return track_finish(chunks, self.metrics, rid)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        manager.check_ready()
-        check_model(req)
-        if isinstance(req.prompt, str):
-            ids = tok.encode_text(req.prompt)
-        elif req.prompt and isinstance(req.prompt[0], str):
-            if len(req.prompt) != 1:
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tok.encode_text(prompt)
+        if prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
                 raise RequestError("a batch of prompts is not supported yet; send one prompt")
-            ids = tok.encode_text(req.prompt[0])
-        else:
-            ids = list(req.prompt)
+            return self.tok.encode_text(prompt[0])
+        return list(prompt)
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        self._check(req)
+        ids = self._prompt_ids(req.prompt)
         sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        chunks = start(ids, sampling, req, rid)
-        echo = tokenizer.decode(ids) if req.echo else ""
+        chunks = self._start(req, ids, sampling, rid)
+        echo = self.tokenizer.decode(ids) if req.echo else ""
         offset = [0]  # text offset of the next token, for logprobs
 
         def render(c: Chunk, text: str) -> dict:
             lp = None
             if sampling.logprobs and c.token_ids:
-                lp = completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, pieces, offset[0])
+                lp = completion_logprobs(
+                    c.token_ids, c.logprobs, c.top_logprobs, self.pieces, offset[0]
+                )
                 offset[0] += len(text)
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "token_ids": c.token_ids,
-                    }
-                ],
-            }
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+            choice["token_ids"] = c.token_ids
+            return self._body(rid, "text_completion", created, choice)
 
         if req.stream:
             return await _sse(request, chunks, render, _include_usage(req), prefix=echo)
         return await _unless_disconnected(request, _collect(chunks, render, prefix=echo))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        manager.check_ready()
-        check_model(req)
-        ids = tok.encode_chat(req.messages)
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
+        self._check(req)
+        ids = self.tok.encode_chat(req.messages)
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
         if max_new is None:  # as much as fits in the context and in the KV pool
-            room = min(manager.context_len, manager.ready.num_slots) - len(ids)
+            room = min(self.manager.context_len, self.manager.ready.num_slots) - len(ids)
             max_new = max(1, room)
         sampling = req.sampling(max_new)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        chunks = start(ids, sampling, req, rid)
+        chunks = self._start(req, ids, sampling, rid)
         first = [True]
 
         def logprobs_of(c: Chunk) -> dict | None:
             if not sampling.logprobs or not c.token_ids:
                 return None
-            return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, pieces)
+            return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
 
         def render_delta(c: Chunk, text: str) -> dict:
             delta = {"content": text}
             if first[0]:
                 delta["role"], first[0] = "assistant", False
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "delta": delta,
-                        "logprobs": logprobs_of(c),
-                        "finish_reason": c.finish_reason,
-                    }
-                ],
-            }
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs_of(c)}
+            choice["finish_reason"] = c.finish_reason
+            return self._body(rid, "chat.completion.chunk", created, choice)
 
         def render_whole(c: Chunk, text: str) -> dict:
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "logprobs": logprobs_of(c),
-                        "finish_reason": c.finish_reason,
-                        "message": {"role": "assistant", "content": text},
-                        "token_ids": c.token_ids,
-                    }
-                ],
-            }
+            choice = {"index": 0, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["token_ids"] = c.token_ids
+            return self._body(rid, "chat.completion", created, choice)
 
         if req.stream:
             return await _sse(request, chunks, render_delta, _include_usage(req))
         return await _unless_disconnected(request, _collect(chunks, render_whole))
 
-    return app
+    def _body(self, rid: str, kind: str, created: int, choice: dict) -> dict:
+        return {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": self.model_name,
+            "choices": [choice],
+        }
 
 
 class _Guard:
