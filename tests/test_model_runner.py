@@ -255,9 +255,9 @@ def test_decode_buffer_growth_matches_mlx_lm(model_path, compile_decode):
     h.assert_pool_holds("long")
 
 
-def test_long_generation_grows_the_compiled_buffer_step_by_step(tiny_model):
-    """520 decode steps from short prompts: the compiled step's buffer grows by 256 columns
-    twice (its attention spans the capacity, masked), and tokens still match mlx-lm."""
+def test_long_generation_through_the_compiled_step(tiny_model):
+    """520 decode steps from short prompts: the compiled step's buffer doubles twice and
+    its attention width is retraced every 64 columns; tokens still match mlx-lm."""
     h = Harness(tiny_model, num_slots=2048)
     rng = random.Random(12)
     prompts = {"a": random_prompt(rng, 5, h.vocab), "b": random_prompt(rng, 30, h.vocab)}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from worker_mlx.compiled_decode import DecodeStep
+from worker_mlx.compiled_decode import WIDTH_STEP, DecodeStep
 from worker_mlx.kv_pool import MlxKVPool
 
 
@@ -111,7 +111,7 @@ class DecodePlan:
 
     def begin_step(self) -> None:
         if self.idx >= self.keys[0].shape[2]:
-            self._grow(self.keys[0].shape[2])
+            self._grow()
         positions = [self.idx - p for p in self.left_pad]
         self.offset = positions[0] if len(positions) == 1 else mx.array(positions, mx.int32)
         if max(self.left_pad) == 0:
@@ -124,27 +124,22 @@ class DecodePlan:
         self.idx += 1
 
     def run(self, step: DecodeStep, tokens: mx.array) -> mx.array:
-        """One decode step through a compiled `step` (see compiled_decode); the logits.
-        Its attention spans the whole capacity, so this grows it by steps, not doubling."""
+        """One decode step through a compiled `step` (see compiled_decode); the logits."""
         if self.idx >= self.keys[0].shape[2]:
-            self._grow(self.GROW_STEP)
+            self._grow()
         column = mx.array([self.idx], dtype=mx.int32)
+        width = min(self.keys[0].shape[2], _round_up(self.idx + 1, WIDTH_STEP))
         logits, self.keys, self.values = step(
-            tokens, column, self._left_pad_arr, self.keys, self.values
+            tokens, column, self._left_pad_arr, self.keys, self.values, width
         )
         self.idx += 1
         return logits
 
-    def _grow(self, columns: int) -> None:
-        """Add `columns` to the capacity; the only concatenation, amortised over many steps."""
+    def _grow(self) -> None:
+        """Double the capacity; the only concatenation, amortised over many steps."""
         for i in range(len(self.keys)):
-            B, H, _, D = self.keys[i].shape
-            pad = mx.zeros((B, H, columns, D), dtype=self.keys[i].dtype)
-            self.keys[i] = mx.concatenate([self.keys[i], pad], axis=2)
-            self.values[i] = mx.concatenate(
-                [self.values[i], mx.zeros((B, H, columns, self.values[i].shape[3]), pad.dtype)],
-                axis=2,
-            )
+            self.keys[i] = mx.concatenate([self.keys[i], mx.zeros_like(self.keys[i])], axis=2)
+            self.values[i] = mx.concatenate([self.values[i], mx.zeros_like(self.values[i])], axis=2)
 
     def pending(self) -> int:
         """Decode tokens per row that are only in the buffer, not yet in the pool."""
