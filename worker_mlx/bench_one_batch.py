@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
 from worker_mlx import cpu_kernels  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
-from worker_mlx.loader import keep_buffers  # noqa: E402
+from worker_mlx.loader import cpu_fast_path, keep_buffers  # noqa: E402
 from worker_mlx.model_runner import ModelRunner, probe_kv_layout  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
@@ -143,14 +143,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     keep_buffers()
     model, _ = load(path)
     layout = probe_kv_layout(model)
-    uninstall = None if args.disable_cpu_kernels else cpu_kernels.install(model)
+    fast = cpu_fast_path(args.disable_cpu_kernels)
+    uninstall = cpu_kernels.install(model) if fast else None
     max_bs = max(args.batch_size)
     need = (args.cached_prefix_len + 2 * max_bs * (args.input_len + args.output_len)) * 2 + 64
     runner = ModelRunner(
         model,
         MlxKVPool(layout, need),
         vocab_size=model.args.vocab_size,
-        compile_decode=not args.disable_cpu_kernels and mx.default_device() == mx.cpu,
+        compile_decode=fast,
     )
     kernels = "on" if uninstall else "off"
     print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {kernels}")
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if uninstall:  # mlx-lm as users run it: its own kernels
                 uninstall()
             base = mlx_lm_decode_step(model, [prefix_ids + p for p in prompts], args.output_len)
-            uninstall = None if args.disable_cpu_kernels else cpu_kernels.install(model)
+            uninstall = cpu_kernels.install(model) if fast else None
             row["mlx_lm_median_decode_latency"] = base
             row["decode_ratio_vs_mlx_lm"] = row["median_decode_latency"] / base
             print(

@@ -27,13 +27,18 @@ def keep_buffers() -> None:
         mx.set_cache_limit(current)
 
 
+def cpu_fast_path(disabled: bool) -> bool:
+    """Whether to use the CPU kernels and the compiled decode step (see cpu_kernels)."""
+    return not disabled and mx.default_device() == mx.cpu
+
+
 def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     from mlx_lm import load
 
     keep_buffers()
     model, tokenizer, config = load(args.model_path, return_config=True)
     layout = probe_kv_layout(model)
-    cpu_path = not args.disable_cpu_kernels and mx.default_device() == mx.cpu
+    cpu_path = cpu_fast_path(args.disable_cpu_kernels)
     if cpu_path:
         cpu_kernels.install(model)
     num_slots = pool_size(layout, args.max_total_tokens, args.mem_fraction_static)
