@@ -107,10 +107,7 @@ class ModelRunner:
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
         states = [states[i] for i in perm]
-        out = self._sample_and_record(logits, states, self.pool.arrays())
-        for s in states:
-            self.reqs[s.rid] = s
-        return out
+        return self._start_decoding(logits, states)
 
     def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
@@ -123,6 +120,10 @@ class ModelRunner:
         logits = plan.run(self.compiled_step, tokens)
         plan.flush(list(range(len(reqs))), [r.out_cache_loc for r in reqs])  # in the pool now
         self.decode_plan = plan
+        return self._start_decoding(logits, states)
+
+    def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
+        """Sample the extended requests' first tokens; from now on they decode."""
         out = self._sample_and_record(logits, states, self.pool.arrays())
         for s in states:
             self.reqs[s.rid] = s
