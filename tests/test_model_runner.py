@@ -593,6 +593,25 @@ def test_pool_sizing_formula(tiny_model, tiny_llama):
         pool_size(big, None, 1e-12)
 
 
+def test_gather_by_heads_equals_gather_then_transpose():
+    """The head-major gather that attention and the decode buffer use reads the same KV as
+    a gather by slot followed by a transpose."""
+    import mlx.core as mx
+
+    from worker_mlx.kv_pool import KVLayout, MlxKVPool
+
+    pool = MlxKVPool(KVLayout(num_layers=2, n_kv_heads=3, head_dim=8, dtype=mx.float32), 50)
+    for layer in range(2):
+        key = mx.random.key(layer)
+        pool.write(layer, mx.arange(51), *mx.random.normal((2, 51, 3, 8), key=key))
+    slots = mx.array([[0, 0, 7, 3, 50], [1, 2, 3, 4, 5]])
+    for layer in range(2):
+        want = [a.transpose(0, 2, 1, 3) for a in pool.gather(layer, slots)]
+        got = pool.gather_heads(layer, pool.head_index(slots))
+        assert all(g.shape == (2, 3, 5, 8) for g in got)
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
 # ---------------------------------------------------------------- 8. seeded sampling
 
 

@@ -44,7 +44,9 @@ class ExtendPlan:
         # with a prefix, attention reads every column back from the pool after the write:
         # prefix slots right-padded to P, then the new tokens' slots
         self.read_idx = (
-            mx.array([p + [0] * (P - len(p)) + n for p, n in zip(prefix_slots, new_idx)], mx.int32)
+            pool.head_index(
+                mx.array([p + [0] * (P - len(p)) + n for p, n in zip(prefix_slots, new_idx)])
+            )
             if P
             else None
         )
@@ -78,8 +80,7 @@ class ExtendLayerCache:
         pool.write(self.layer, plan.write_idx, flat_k, flat_v)
         if plan.read_idx is None:
             return keys, values
-        k, v = pool.gather(self.layer, plan.read_idx)  # (B, P+L, H, D), no concatenation
-        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return pool.gather_heads(self.layer, plan.read_idx)  # (B, H, P+L, D)
 
 
 class DecodePlan:
@@ -98,13 +99,13 @@ class DecodePlan:
         self.left_pad = [T - n for n in lens]
         self.idx = T  # next column to write
         self.flushed = T  # columns before this are already in the pool
-        idx = mx.array([[0] * (T - len(s)) + s + [0] * (cap - T) for s in slots], dtype=mx.int32)
+        idx = pool.head_index(mx.array([[0] * (T - len(s)) + s + [0] * (cap - T) for s in slots]))
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         for layer in range(pool.layout.num_layers):
-            k, v = pool.gather(layer, idx)  # (B, cap, H, D)
-            self.keys.append(mx.contiguous(k.transpose(0, 2, 1, 3)))
-            self.values.append(mx.contiguous(v.transpose(0, 2, 1, 3)))
+            k, v = pool.gather_heads(layer, idx)
+            self.keys.append(k)
+            self.values.append(v)
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
         self.offset = mx.array(lens, dtype=mx.int32)
         self.mask = None

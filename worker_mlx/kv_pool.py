@@ -53,6 +53,21 @@ class MlxKVPool:
         """K and V of `slots` (any shape S) as arrays of shape S + (H, D)."""
         return self.k[layer][slots], self.v[layer][slots]
 
+    def head_index(self, slots: mx.array) -> mx.array:
+        """Indices into the (slots x heads, D) view of a layer for `slots` (B, S), heads
+        first: gathering with them yields attention's (B, H, S, D) layout in one pass, where
+        a gather by slot then a transpose would copy the KV twice."""
+        H = self.layout.n_kv_heads
+        dtype = mx.int32 if (self.num_slots + 1) * H < 2**31 else mx.int64
+        heads = mx.arange(H, dtype=dtype)[None, :, None]
+        return slots.astype(dtype)[:, None, :] * H + heads
+
+    def gather_heads(self, layer: int, head_idx: mx.array) -> tuple[mx.array, mx.array]:
+        """K and V as (B, H, S, D) for indices from `head_index`."""
+        D = self.layout.head_dim
+        k, v = self.k[layer], self.v[layer]
+        return k.reshape(-1, D)[head_idx], v.reshape(-1, v.shape[-1])[head_idx]
+
     def arrays(self) -> list[mx.array]:
         return self.k + self.v
 
