@@ -280,6 +280,38 @@ def test_requests_finishing_at_different_times(model_path, free_finished):
         h.assert_pool_holds(rid)
 
 
+@pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "eager"])
+def test_joining_requests_take_dead_rows(model_path, compile_decode):
+    """A request that joins the running batch takes over the decode-buffer row of one that
+    left instead of a rebuild; a context longer than the buffer's, or more dead rows than
+    live ones, rebuild it. Outputs stay equal to mlx-lm's throughout."""
+    h = Harness(model_path, compile_decode=compile_decode)
+    rng = random.Random(21)
+    lengths = {"a": 30, "b": 25, "c": 20, "d": 12, "e": 60}
+    prompts = {rid: random_prompt(rng, n, h.vocab) for rid, n in lengths.items()}
+    h.extend([h.ereq(rid, prompts[rid]) for rid in "abc"])
+    for _ in range(3):
+        h.decode()
+    plan = h.runner.decode_plan
+    h.decode(release=[ReleaseReq("b", flush=True)])
+    assert h.runner.decode_plan is plan and plan.rids == ["a", None, "c"]
+    h.extend([h.ereq("d", prompts["d"])])
+    for _ in range(4):
+        h.decode()
+    assert h.runner.decode_plan is plan and plan.rids == ["a", "d", "c"]
+    h.extend([h.ereq("e", prompts["e"])])  # 60 tokens: more than the buffer's 38 columns
+    h.decode()
+    assert h.runner.decode_plan is not plan
+    plan = h.runner.decode_plan
+    h.decode(release=[ReleaseReq(rid, flush=True) for rid in "acd"])  # 3 dead rows of 4
+    assert h.runner.decode_plan is not plan and h.runner.decode_plan.rids == ["e"]
+    for _ in range(3):
+        h.decode()
+    h.release([ReleaseReq("e", flush=True)])
+    for rid, prompt in prompts.items():
+        assert h.out[rid] == reference(h.path, prompt, len(h.out[rid])), rid
+
+
 # ---------------------------------------------------------------- 3. cached prefixes
 
 

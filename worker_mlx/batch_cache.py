@@ -84,7 +84,11 @@ class ExtendLayerCache:
 
 
 class DecodePlan:
-    """The running requests' KV as left-padded rows of one buffer per layer."""
+    """The running requests' KV as left-padded rows of one buffer per layer.
+
+    When requests leave, their rows go dead (computed, never read) and requests that join
+    later take them over, so a change in the running set costs the joining rows, not a
+    rebuild of every row from the pool."""
 
     GROW_STEP = 256
 
@@ -92,23 +96,74 @@ class DecodePlan:
         self, pool: MlxKVPool, rids: list[str], slots: list[list[int]], free_columns: int = 1
     ):
         self.pool = pool
-        self.rids = list(rids)  # a copy: the caller's list may change, this plan's rows do not
+        # row -> request (None: a dead row); a copy, as the caller's list may change
+        self.rids: list[str | None] = list(rids)
         lens = [len(s) for s in slots]
         T = max(lens)
         cap = _round_up(T + free_columns, self.GROW_STEP)
         self.left_pad = [T - n for n in lens]
         self.idx = T  # next column to write
         self.flushed = T  # columns before this are already in the pool
-        idx = pool.head_index(mx.array([[0] * (T - len(s)) + s + [0] * (cap - T) for s in slots]))
-        self.keys: list[mx.array] = []
-        self.values: list[mx.array] = []
-        for layer in range(pool.layout.num_layers):
-            k, v = pool.gather_heads(layer, idx)
-            self.keys.append(k)
-            self.values.append(v)
+        self.keys, self.values = self._gather(slots, T, cap)
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
         self.offset = mx.array(lens, dtype=mx.int32)
         self.mask = None
+
+    def rows(self, rids: list[str]) -> list[int] | None:
+        """The row of each of `rids`; None unless the live rows are exactly `rids`."""
+        row_of = {rid: i for i, rid in enumerate(self.rids) if rid is not None}
+        if len(row_of) != len(rids) or any(rid not in row_of for rid in rids):
+            return None
+        return [row_of[rid] for rid in rids]
+
+    def serves(self, rids: list[str]) -> bool:
+        """Whether the live rows are exactly `rids` and dead rows do not outnumber them."""
+        dead = self.rids.count(None)
+        return 2 * dead <= len(self.rids) and self.rows(rids) is not None
+
+    def drop(self, rids: set[str]) -> None:
+        """Rows of requests that left go dead (flush them first if their KV is wanted)."""
+        self.rids = [None if rid in rids else rid for rid in self.rids]
+
+    def reseat(self, rids: list[str], slots: list[list[int]]) -> bool:
+        """Make the live rows exactly `rids` (whose KV must all be in the pool): requests
+        that left go dead, joining ones take dead rows. False when a rebuild is due: the
+        joining ones do not fit (no dead row, or more tokens than columns before the next
+        one), or dead rows would outnumber live ones."""
+        live = set(rids)
+        self.drop({rid for rid in self.rids if rid not in live})
+        seated = set(self.rids)
+        joining = [(rid, s) for rid, s in zip(rids, slots) if rid not in seated]
+        free = [i for i, rid in enumerate(self.rids) if rid is None]
+        dead_after = len(free) - len(joining)
+        if dead_after < 0 or 2 * dead_after > len(self.rids) or self.flushed != self.idx:
+            return False
+        if any(len(s) > self.idx for _, s in joining):
+            return False
+        if joining:
+            self._fill(free[: len(joining)], [s for _, s in joining])
+        for row, (rid, s) in zip(free, joining):
+            self.rids[row] = rid
+            self.left_pad[row] = self.idx - len(s)
+        self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
+        return True
+
+    def _fill(self, rows: list[int], slots: list[list[int]]) -> None:
+        keys, values = self._gather(slots, self.idx, self.keys[0].shape[2])
+        row_idx = mx.array(rows, dtype=mx.int32)
+        for layer in range(len(self.keys)):
+            self.keys[layer][row_idx] = keys[layer]
+            self.values[layer][row_idx] = values[layer]
+
+    def _gather(
+        self, slots: list[list[int]], T: int, cap: int
+    ) -> tuple[list[mx.array], list[mx.array]]:
+        """Per layer, (len(slots), H, cap, D) rows of pool KV ending just before column T."""
+        idx = self.pool.head_index(
+            mx.array([[0] * (T - len(s)) + s + [0] * (cap - T) for s in slots])
+        )
+        pairs = [self.pool.gather_heads(layer, idx) for layer in range(self.pool.layout.num_layers)]
+        return [k for k, _ in pairs], [v for _, v in pairs]
 
     def begin_step(self) -> None:
         if self.idx >= self.keys[0].shape[2]:

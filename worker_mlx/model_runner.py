@@ -189,7 +189,8 @@ class ModelRunner:
 
     def _decode_step(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         plans = self._decode_plans(rids, states)
-        rows = [self._forward_one_step(plan) for plan in plans]
+        groups = [rids] if self.batched else [[rid] for rid in rids]  # each plan's requests
+        rows = [self._forward_one_step(plan, group) for plan, group in zip(plans, groups)]
         buffers = [a for plan in plans for a in plan.keys + plan.values]
         logits = rows[0] if len(rows) == 1 else mx.concatenate(rows)
         return self._sample_and_record(logits, states, buffers)
@@ -200,22 +201,27 @@ class ModelRunner:
         the buffer column if the next descriptor turns out different."""
         rids, self.lookahead_rids = self.lookahead_rids, None
         plan = self.decode_plan
-        if rids is None or plan is None or plan.rids != rids:
+        if rids is None or plan is None or plan.rows(rids) is None:
             return
-        logits = self._forward_one_step(plan)
+        logits = self._forward_one_step(plan, rids)
         ahead = _Lookahead(rids, plan, mx.argmax(logits, axis=-1))
         mx.async_eval(ahead.tokens, plan.keys, plan.values)
         self.ahead = ahead
 
-    def _forward_one_step(self, plan: DecodePlan) -> mx.array:
-        """Logits (B, V) of one decode step of `plan`'s rows, their KV written to its buffer."""
-        tokens = mx.array([[self.reqs[rid].last_token] for rid in plan.rids])
+    def _forward_one_step(self, plan: DecodePlan, rids: list[str]) -> mx.array:
+        """Logits (len(rids), V) of one decode step of `plan`, whose live rows are `rids`;
+        every row's KV is written to its buffer."""
+        tokens = mx.array(
+            [[self.reqs[rid].last_token if rid is not None else 0] for rid in plan.rids]
+        )
         if self.compiled_step is not None:
-            return plan.run(self.compiled_step, tokens)
-        plan.begin_step()
-        logits = self.model(tokens, cache=plan.layer_caches())[:, -1, :]
-        plan.end_step()
-        return logits
+            logits = plan.run(self.compiled_step, tokens)
+        else:
+            plan.begin_step()
+            logits = self.model(tokens, cache=plan.layer_caches())[:, -1, :]
+            plan.end_step()
+        rows = plan.rows(rids)
+        return logits if rows == list(range(len(plan.rids))) else logits[mx.array(rows)]
 
     def _take_lookahead(self, batch: DecodeBatch | None) -> _Lookahead | None:
         """The step computed ahead if `batch` is exactly it; otherwise undo it."""
@@ -237,9 +243,11 @@ class ModelRunner:
                     self.solo_plans[rid] = DecodePlan(self.pool, [rid], [s.slots])
             return [self.solo_plans[rid] for rid in rids]
         plan = self.decode_plan
-        if plan is None or plan.rids != rids:
+        if plan is None or not plan.serves(rids):
             self._flush()
-            plan = self.decode_plan = DecodePlan(self.pool, rids, [s.slots for s in states])
+            slots = [s.slots for s in states]
+            if plan is None or not plan.reseat(rids, slots):
+                plan = self.decode_plan = DecodePlan(self.pool, rids, slots)
         return [plan]
 
     def _sample_and_record(
@@ -284,7 +292,8 @@ class ModelRunner:
         self._take_lookahead(None)
         dropped = {r.rid for r in release if not r.flush}
         self._flush(skip=dropped)
-        self.decode_plan = None
+        if self.decode_plan is not None:
+            self.decode_plan.drop({r.rid for r in release})
         for r in release:
             self.reqs.pop(r.rid, None)
             self.solo_plans.pop(r.rid, None)
@@ -296,7 +305,7 @@ class ModelRunner:
             n = plan.pending()
             if n == 0:
                 continue
-            rows = [i for i, rid in enumerate(plan.rids) if rid not in skip]
+            rows = [i for i, rid in enumerate(plan.rids) if rid is not None and rid not in skip]
             plan.flush(rows, [self.reqs[plan.rids[i]].slots[-n:] for i in rows])
         mx.eval(self.pool.arrays())
 
