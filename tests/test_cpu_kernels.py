@@ -146,7 +146,8 @@ def test_batched_runner_with_kernels_matches_stock_generation(small_model):
     batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm."""
     from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
     from worker_mlx.kv_pool import MlxKVPool
-    from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+    from worker_mlx.model_probe import probe_kv_layout
+    from worker_mlx.model_runner import ModelRunner
 
     rng = random.Random(11)
     prompts = [

@@ -86,7 +86,8 @@ class Harness:
         self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True
     ):
         from worker_mlx.kv_pool import MlxKVPool
-        from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+        from worker_mlx.model_probe import probe_kv_layout
+        from worker_mlx.model_runner import ModelRunner
 
         model, _ = load_model(path)
         self.path = path
@@ -591,7 +592,7 @@ def test_pool_sizing_formula(tiny_model, tiny_llama):
         available_memory_bytes,
         pool_size,
     )
-    from worker_mlx.model_runner import probe_kv_layout
+    from worker_mlx.model_probe import probe_kv_layout
 
     for path in (tiny_model, tiny_llama):
         model, _ = load_model(path)

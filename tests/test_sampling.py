@@ -10,7 +10,8 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, Sam
 from tests.conftest import load_model, mlx_greedy
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.loader import batched_path_works
-from worker_mlx.model_runner import ModelRunner, probe_kv_layout
+from worker_mlx.model_probe import probe_kv_layout
+from worker_mlx.model_runner import ModelRunner
 
 PROMPTS = [[5, 17, 99, 230, 41, 8], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]]
 
@@ -127,7 +128,7 @@ def test_per_request_fallback_is_detected_and_exact(tiny_llama):
 
 def test_prefill_projects_only_last_positions(tiny_model, tiny_llama):
     """Tied (qwen3) and untied (llama) heads both split off the body."""
-    from worker_mlx.model_runner import split_lm_head
+    from worker_mlx.model_probe import split_lm_head
 
     for path in (tiny_model, tiny_llama):
         model, _ = load_model(path)

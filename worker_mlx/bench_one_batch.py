@@ -29,7 +29,8 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, Sam
 from worker_mlx import cpu_kernels  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
 from worker_mlx.loader import cpu_fast_path, keep_buffers  # noqa: E402
-from worker_mlx.model_runner import ModelRunner, probe_kv_layout  # noqa: E402
+from worker_mlx.model_probe import probe_kv_layout  # noqa: E402
+from worker_mlx.model_runner import ModelRunner  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
 

@@ -10,7 +10,8 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams,
 from common.server_args import ServerArgs
 from worker_mlx import cpu_kernels
 from worker_mlx.kv_pool import MlxKVPool, pool_size
-from worker_mlx.model_runner import DEFAULT_PREFILL_STEP, ModelRunner, probe_kv_layout
+from worker_mlx.model_probe import probe_kv_layout
+from worker_mlx.model_runner import DEFAULT_PREFILL_STEP, ModelRunner
 
 logger = logging.getLogger("worker")
 

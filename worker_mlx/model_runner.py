@@ -16,7 +16,8 @@ import mlx.nn as nn
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.batch_cache import DecodePlan, ExtendPlan
 from worker_mlx.compiled_decode import make_decode_step
-from worker_mlx.kv_pool import KVLayout, MlxKVPool
+from worker_mlx.kv_pool import MlxKVPool
+from worker_mlx.model_probe import split_lm_head
 from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
 
 # Prefill tokens per forward pass and row. On CPU attention materialises its score matrix,
@@ -341,60 +342,3 @@ def _piece(r: ExtendReq, start: int, step: int) -> ExtendReq:
         r.sampling,
         last_chunk=r.last_chunk and end == len(r.input_ids),
     )
-
-
-def split_lm_head(model: nn.Module):
-    """(body, head) with head(body(x)) == model(x), so a prefill can project only the last
-    position of each row to the vocabulary instead of all of them. Models that do more than
-    a plain projection after the body keep (model, identity)."""
-
-    def identity(h):
-        return h
-
-    inner = getattr(model, "model", None)
-    args = getattr(model, "args", None)
-    if inner is None or args is None:
-        return model, identity
-    if getattr(args, "tie_word_embeddings", False):
-        head = inner.embed_tokens.as_linear
-    elif hasattr(model, "lm_head"):
-        head = model.lm_head
-    else:
-        return model, identity
-    x = mx.array([[1, 2, 3]])
-    if not mx.allclose(head(inner(x)), model(x), atol=1e-4).item():
-        return model, identity
-    return inner, head
-
-
-class _ProbeCache:
-    """Records the K/V shape one layer produces, so the pool fits any standard attention."""
-
-    offset = 0
-
-    def __init__(self):
-        self.shape: tuple[int, ...] | None = None
-        self.dtype: mx.Dtype | None = None
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if keys.shape[-1] != values.shape[-1]:
-            raise ValueError("keys and values with different head dims are not supported")
-        self.shape, self.dtype = keys.shape, keys.dtype
-        return keys, values
-
-
-def probe_kv_layout(model: nn.Module) -> KVLayout:
-    """Run one token through the model with recording caches; raise if it is not standard."""
-    layers = model.layers
-    probes = [_ProbeCache() for _ in layers]
-    mx.eval(model(mx.array([[0]]), cache=probes))
-    if any(p.shape is None for p in probes):
-        raise ValueError("model has layers without a standard KV cache")
-    shapes = {(p.shape[1], p.shape[3], p.dtype) for p in probes}
-    if len(shapes) != 1:
-        raise ValueError(f"layers disagree on KV shape: {shapes}")
-    (n_kv_heads, head_dim, dtype) = shapes.pop()
-    return KVLayout(len(layers), n_kv_heads, head_dim, dtype)
