@@ -258,12 +258,21 @@ def test_decode_buffer_growth_matches_mlx_lm(model_path, compile_decode):
 
 def test_long_generation_through_the_compiled_step(tiny_model):
     """520 decode steps from short prompts: the compiled step's buffer doubles twice and
-    its attention width is retraced every 64 columns; tokens still match mlx-lm."""
+    its attention width is retraced every 64 columns, and with at most 3 traces kept the
+    step is compiled afresh several times; tokens still match mlx-lm."""
+    from worker_mlx.compiled_decode import attention_width
+
     h = Harness(tiny_model, num_slots=2048)
+    step = h.runner.compiled_step
+    step.max_traces = 3
     rng = random.Random(12)
     prompts = {"a": random_prompt(rng, 5, h.vocab), "b": random_prompt(rng, 30, h.vocab)}
     got = generate(h, prompts, 520)
     assert_parity(h, prompts, got)
+    assert len(step.shapes) <= 3 and step.compiled >= 3  # 9 shapes: 3 compilations
+    # widths: multiples of 64 up to 512 columns, then an eighth of the capacity
+    assert [attention_width(c, 256) for c in (0, 63, 64, 255)] == [64, 64, 128, 256]
+    assert [attention_width(c, 1024) for c in (0, 127, 128, 1000)] == [128, 128, 256, 1024]
 
 
 # ---------------------------------------------------------------- 2. staggered finishes

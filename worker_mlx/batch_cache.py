@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from worker_mlx.compiled_decode import WIDTH_STEP, DecodeStep
+from worker_mlx.compiled_decode import DecodeStep, attention_width
 from worker_mlx.kv_pool import MlxKVPool
 
 
@@ -184,7 +184,7 @@ class DecodePlan:
         if self.idx >= self.keys[0].shape[2]:
             self._grow()
         column = mx.array([self.idx], dtype=mx.int32)
-        width = min(self.keys[0].shape[2], _round_up(self.idx + 1, WIDTH_STEP))
+        width = attention_width(self.idx, self.keys[0].shape[2])
         logits, self.keys, self.values = step(
             tokens, column, self._left_pad_arr, self.keys, self.values, width
         )

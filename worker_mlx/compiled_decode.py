@@ -7,24 +7,29 @@ fuse (batch 1: 3.6 -> 2.5 ms, batch 8 at 300 tokens: 8.9 -> 4.9 ms on the small 
 
 To be traced once per batch shape rather than every step, the step takes the positions
 as arrays: the buffer column to write and each row's left padding. Attention runs over
-the first `width` columns, the written ones rounded up to WIDTH_STEP (a retrace every
-WIDTH_STEP steps), with the columns past the current one masked.
+the first `width` columns, the written ones rounded up (`attention_width`), with the
+columns past the current one masked. Traces are bounded (MAX_TRACES).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 import mlx.nn as nn
 
-DecodeStep = Callable[
-    [mx.array, mx.array, mx.array, list[mx.array], list[mx.array], int],
-    tuple[mx.array, list[mx.array], list[mx.array]],
-]
 # Attention width granularity: masked columns past the current one cost attention work
 # (at batch 8 and 300 tokens, 256-column steps made a decode step 25% slower than 64).
+# Past 512 columns the step is an eighth of the capacity, so a buffer has at most eight
+# widths, each a trace.
 WIDTH_STEP = 64
+# Each trace keeps about 0.6 MiB (small model); a long-running server meets batch sizes x
+# capacities x widths of them, so past this many the step is compiled afresh.
+MAX_TRACES = 128
+
+
+def attention_width(column: int, capacity: int) -> int:
+    """The columns a step that writes `column` attends over (a multiple of the step)."""
+    step = max(WIDTH_STEP, capacity // 8)
+    return min(capacity, (column + step) // step * step)
 
 
 class _StepCache:
@@ -50,14 +55,42 @@ class _StepCache:
         return self.keys[:, :, : self.width], self.values[:, :, : self.width]
 
 
-def make_decode_step(model: nn.Module) -> DecodeStep:
+class DecodeStep:
     """step(tokens (B, 1), column (1,), left_pad (B,), keys, values, width) -> (logits
     (B, V), keys, values), the buffers with the new column written (in place: MLX donates
-    them). `width` (a multiple of WIDTH_STEP past the column) is part of the trace."""
+    them). `width` (from `attention_width`) is part of the trace."""
 
-    def step(tokens, column, left_pad, keys, values, width):
-        caches = [_StepCache(column, left_pad, k, v, width) for k, v in zip(keys, values)]
-        logits = model(tokens, cache=caches)[:, -1, :]
-        return logits, [c.keys for c in caches], [c.values for c in caches]
+    def __init__(self, model: nn.Module, max_traces: int = MAX_TRACES):
+        self.model = model
+        self.max_traces = max_traces
+        self.shapes: set[tuple[int, int, int]] = set()
+        self.compiled = 0  # times the step was compiled afresh
+        self._step = self._compile()
 
-    return mx.compile(step)
+    def _compile(self):
+        self.shapes.clear()
+        self.compiled += 1
+        model = self.model
+
+        def step(tokens, column, left_pad, keys, values, width):
+            caches = [_StepCache(column, left_pad, k, v, width) for k, v in zip(keys, values)]
+            logits = model(tokens, cache=caches)[:, -1, :]
+            return logits, [c.keys for c in caches], [c.values for c in caches]
+
+        return mx.compile(step)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        column: mx.array,
+        left_pad: mx.array,
+        keys: list[mx.array],
+        values: list[mx.array],
+        width: int,
+    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        shape = (tokens.shape[0], keys[0].shape[2], width)
+        if shape not in self.shapes:
+            if len(self.shapes) >= self.max_traces:
+                self._step = self._compile()  # the old function and its traces are freed
+            self.shapes.add(shape)
+        return self._step(tokens, column, left_pad, keys, values, width)

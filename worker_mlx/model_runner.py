@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.batch_cache import DecodePlan, ExtendPlan
-from worker_mlx.compiled_decode import make_decode_step
+from worker_mlx.compiled_decode import DecodeStep
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
@@ -70,7 +70,7 @@ class ModelRunner:
         self.solo_plans: dict[str, DecodePlan] = {}
         self.body, self.head = split_lm_head(model)
         # batched decode steps replay one traced graph (per-request fallback stays eager)
-        self.compiled_step = make_decode_step(model) if compile_decode and batched else None
+        self.compiled_step = DecodeStep(model) if compile_decode and batched else None
         self.ahead: _Lookahead | None = None  # a decode step computed before it was asked for
         self.lookahead_rids: list[str] | None = None
 
