@@ -401,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     a("--repeat-len", type=int, default=2048)
     a("--repeat-output-len", type=int, default=16)
-    a("--repeat-warm-runs", type=int, default=3, help="warm repeats after the cold request")
+    a("--repeat-warm-runs", type=int, default=9, help="warm repeats after the cold request")
     a("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     a("--max-concurrency", type=int, nargs="*", help="one value, or several for a sweep")
     a("--seed", type=int, default=0)

@@ -253,7 +253,7 @@ def standard_suite() -> list[tuple[WorkloadSpec, list[int], tuple[str, ...]]]:
             [8],
             both,
         ),
-        (WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=3)), [1], both),
+        (WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=9)), [1], both),
     ]
 
 
