@@ -118,8 +118,11 @@ class DecodePlan:
 
     def serves(self, rids: list[str]) -> bool:
         """Whether the live rows are exactly `rids` and dead rows do not outnumber them."""
-        dead = self.rids.count(None)
-        return 2 * dead <= len(self.rids) and self.rows(rids) is not None
+        return not self._mostly_dead(self.rids.count(None)) and self.rows(rids) is not None
+
+    def _mostly_dead(self, dead: int) -> bool:
+        """Past this a rebuild is cheaper than computing the dead rows every step."""
+        return 2 * dead > len(self.rids)
 
     def drop(self, rids: set[str]) -> None:
         """Rows of requests that left go dead (flush them first if their KV is wanted)."""
@@ -136,7 +139,7 @@ class DecodePlan:
         joining = [(rid, s) for rid, s in zip(rids, slots) if rid not in seated]
         free = [i for i, rid in enumerate(self.rids) if rid is None]
         dead_after = len(free) - len(joining)
-        if dead_after < 0 or 2 * dead_after > len(self.rids) or self.flushed != self.idx:
+        if dead_after < 0 or self._mostly_dead(dead_after) or self.flushed != self.idx:
             return False
         if any(len(s) > self.idx for _, s in joining):
             return False

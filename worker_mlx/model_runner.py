@@ -190,10 +190,11 @@ class ModelRunner:
 
     def _decode_step(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         plans = self._decode_plans(rids, states)
-        groups = [rids] if self.batched else [[rid] for rid in rids]  # each plan's requests
-        rows = [self._forward_one_step(plan, group) for plan, group in zip(plans, groups)]
+        # each plan's rows in the scheduler's order (a per-request plan has one)
+        order = [plan.rows(rids) for plan in plans] if self.batched else [[0]] * len(plans)
+        parts = [self._forward_one_step(plan, rows) for plan, rows in zip(plans, order)]
         buffers = [a for plan in plans for a in plan.keys + plan.values]
-        logits = rows[0] if len(rows) == 1 else mx.concatenate(rows)
+        logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         return self._sample_and_record(logits, states, buffers)
 
     def run_ahead(self) -> None:
@@ -202,16 +203,17 @@ class ModelRunner:
         the buffer column if the next descriptor turns out different."""
         rids, self.lookahead_rids = self.lookahead_rids, None
         plan = self.decode_plan
-        if rids is None or plan is None or plan.rows(rids) is None:
+        rows = plan.rows(rids) if rids is not None and plan is not None else None
+        if rows is None:
             return
-        logits = self._forward_one_step(plan, rids)
+        logits = self._forward_one_step(plan, rows)
         ahead = _Lookahead(rids, plan, mx.argmax(logits, axis=-1))
         mx.async_eval(ahead.tokens, plan.keys, plan.values)
         self.ahead = ahead
 
-    def _forward_one_step(self, plan: DecodePlan, rids: list[str]) -> mx.array:
-        """Logits (len(rids), V) of one decode step of `plan`, whose live rows are `rids`;
-        every row's KV is written to its buffer."""
+    def _forward_one_step(self, plan: DecodePlan, rows: list[int]) -> mx.array:
+        """Logits of one decode step of `plan` for its `rows` (the live ones, in the
+        scheduler's order); every row's KV is written to its buffer."""
         tokens = mx.array(
             [[self.reqs[rid].last_token if rid is not None else 0] for rid in plan.rids]
         )
@@ -221,7 +223,6 @@ class ModelRunner:
             plan.begin_step()
             logits = self.model(tokens, cache=plan.layer_caches())[:, -1, :]
             plan.end_step()
-        rows = plan.rows(rids)
         return logits if rows == list(range(len(plan.rids))) else logits[mx.array(rows)]
 
     def _take_lookahead(self, batch: DecodeBatch | None) -> _Lookahead | None:
