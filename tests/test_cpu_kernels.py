@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,19 +46,24 @@ def test_fast_exp_other_dtypes():
 
 
 @pytest.mark.parametrize("rows", [3, 300])
-def test_swiglu_matches_silu(rows):
-    """300 rows take the vectorised path; 3 (a decode step) keep mlx's own."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_swiglu_matches_silu(rows, compiled):
+    """300 rows take numpy's exp, or the polynomial inside mx.compile; 3 (a small decode
+    step) keep mlx's own."""
     x = mx.random.normal((rows, 256), key=mx.random.key(1)) * 10
     g = mx.random.normal((rows, 256), key=mx.random.key(2)) * 10
     want = nn.silu(g) * x
-    assert mx.allclose(swiglu(g, x), want, rtol=1e-5, atol=1e-5).item()
-    assert mx.array_equal(swiglu(g, x), want).item() == (g.size < cpu_kernels.MIN_ELEMENTS)
+    got = (mx.compile(swiglu) if compiled else swiglu)(g, x)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(got, want).item() == (g.size < cpu_kernels.MIN_ELEMENTS)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive"])
 @pytest.mark.parametrize("q_len", [1, 6])
-def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled):
+    """Several queries per row take numpy's softmax, or the polynomial inside mx.compile."""
     keys = mx.random.split(mx.random.key(heads * 10 + kv_heads + q_len), 4)
     B, S, D = 4, 2100, 16  # over MIN_ELEMENTS scores even for one query per row
     q = mx.random.normal((B, heads, q_len, D), key=keys[0])
@@ -72,9 +78,19 @@ def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len):
         "additive": mx.where(allowed, 0.0, -1e9),
     }[mask_kind]
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
-    got = scaled_dot_product_attention(q, k, v, None, 0.3, mask)
+    sdpa = partial(scaled_dot_product_attention, cache=None, scale=0.3, mask=mask)
+    got = (mx.compile(sdpa) if compiled else sdpa)(q, k, v)
     assert got.shape == want.shape
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_attention_in_half_precision():
+    keys = mx.random.split(mx.random.key(3), 3)
+    q, k, v = (mx.random.normal((2, 4, 40, 32), key=kk).astype(mx.float16) for kk in keys)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal")
+    got = scaled_dot_product_attention(q, k, v, None, 0.2, "causal")
+    assert got.dtype == mx.float16
+    assert mx.allclose(got, want, rtol=2e-3, atol=2e-3).item()
 
 
 @contextlib.contextmanager

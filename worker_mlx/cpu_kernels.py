@@ -1,11 +1,17 @@
-"""SwiGLU and attention for MLX's CPU backend, with exp built from vectorised arithmetic.
+"""SwiGLU and attention for MLX's CPU backend, with a vectorised exp.
 
 On x86 Linux, MLX's CPU `exp` (and so `sigmoid`, `silu`, `softmax`) runs one element at a
 time through library `fma` calls, about 20 ns an element: with OpenBLAS doing the matmuls,
-SiLU and the attention softmax were over half of a prefill. Here exp is a Cody-Waite range
-reduction and a degree-5 polynomial (Cephes' expf) in plain multiply-adds, which MLX
-vectorises: about 5x faster, and closer to the true exp (relative error < 1e-7) than
-`mx.exp` itself (< 1e-6).
+SiLU and the attention softmax were over half of a prefill. Two replacements:
+
+- Outside `mx.compile` (prefill), the graph is evaluated up to the exp's input and numpy
+  finishes in place: its exp is SIMD, 0.6 ns an element here, and a whole softmax takes
+  2.3 ns an element instead of 8 (a 1,088-token prefill 1.3x faster, 64 new tokens over
+  1,024 cached 1.5x).
+- Inside `mx.compile` (the decode step), where nothing can be evaluated, exp is a Cody-Waite
+  range reduction and a degree-5 polynomial (Cephes' expf) in plain multiply-adds, which
+  MLX fuses into one kernel: 3-4 ns an element, and closer to the true exp (relative error
+  < 1e-7) than `mx.exp` itself (< 1e-6).
 
 `install(model)` routes the model's `swiglu` and `scaled_dot_product_attention` (module
 globals of its mlx-lm model file) through these, after checking they agree with the stock
@@ -21,6 +27,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 logger = logging.getLogger("worker")
 
@@ -67,6 +74,15 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """silu(gate) * x, as mlx-lm's activations.swiglu."""
     if gate.size < MIN_ELEMENTS:
         return nn.silu(gate) * x
+    if gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
+        out = -gate  # a fresh buffer for numpy to work in
+        if _evaluated(out, gate, x):
+            o = np.asarray(memoryview(out))
+            np.exp(o, out=o)
+            o += 1.0
+            np.divide(np.asarray(memoryview(gate)), o, out=o)
+            o *= np.asarray(memoryview(x))
+            return out
     g = gate.astype(mx.float32)
     return (g / (1.0 + fast_exp(-g)) * x).astype(x.dtype)
 
@@ -76,6 +92,44 @@ def softmax(scores: mx.array, axis: int = -1) -> mx.array:
     s = scores.astype(mx.float32)
     e = fast_exp(s - s.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
+
+
+def host_softmax(scores: mx.array, mask: mx.array | None) -> mx.array:
+    """Masked softmax over the last axis, computed by numpy in place: float32 scores are
+    overwritten (the attention's own score matrix, which nothing else reads).
+
+    Inside `mx.compile`, where nothing can be evaluated, it is `softmax` on the graph. Rows
+    must keep at least one unmasked key, as every plan's do."""
+    scores = scores.astype(mx.float32)
+    if not _evaluated(scores, *([] if mask is None else [mask])):
+        return softmax(_masked(scores, mask))
+    s = np.asarray(memoryview(scores))  # a writable view of the buffer, no copy
+    if mask is not None:
+        m = np.asarray(memoryview(mask))
+        if m.dtype == np.bool_:
+            np.copyto(s, -np.inf, where=~m)
+        else:
+            s += m
+    np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
+    np.exp(s, out=s)
+    np.divide(s, s.sum(axis=-1, keepdims=True), out=s)
+    return scores
+
+
+def _masked(scores: mx.array, mask: mx.array | None) -> mx.array:
+    if mask is None:
+        return scores
+    return mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+
+
+def _evaluated(*arrays: mx.array) -> bool:
+    """Evaluate now, for numpy to take over; False while `mx.compile` traces (the decode
+    step), where evaluating is not allowed and the graph must carry on."""
+    try:
+        mx.eval(*arrays)
+    except ValueError:
+        return False
+    return True
 
 
 def scaled_dot_product_attention(
@@ -106,11 +160,7 @@ def scaled_dot_product_attention(
     scores = (q @ keys.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
     if mask is not None:
         mask = mask[:, :, None] if mask.ndim == 4 else mask
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, -mx.inf)
-        else:
-            scores = scores + mask
-    weights = softmax(scores).astype(values.dtype).reshape(B, Hk, rep * L, S)
+    weights = host_softmax(scores, mask).astype(values.dtype).reshape(B, Hk, rep * L, S)
     return (weights @ values).reshape(B, H, L, values.shape[-1])
 
 
@@ -120,8 +170,7 @@ def _one_query_attention(q: mx.array, keys: mx.array, values: mx.array, mask) ->
     scores = keys @ mx.contiguous(q.swapaxes(-1, -2))  # (B, Hk, S, rep)
     if mask is not None:
         mask = mask.swapaxes(-1, -2)  # (..., 1, S) -> (..., S, 1)
-        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    weights = softmax(scores, axis=-2).astype(values.dtype)
+    weights = softmax(_masked(scores, mask), axis=-2).astype(values.dtype)
     return weights.swapaxes(-1, -2) @ values  # (B, Hk, rep, D)
 
 
