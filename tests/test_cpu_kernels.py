@@ -84,6 +84,14 @@ def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled):
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("width", [600, 608, 2112])
+def test_softmax_matches_mlx(width):
+    """Widths that split into blocks (608, 2112: every decode width) reduce block-wise."""
+    x = mx.random.normal((3, 2, width), key=mx.random.key(width)) * 20
+    x[..., : width // 3] = -mx.inf
+    assert mx.allclose(cpu_kernels.softmax(x), mx.softmax(x, axis=-1), atol=1e-6).item()
+
+
 def test_attention_in_half_precision():
     keys = mx.random.split(mx.random.key(3), 3)
     q, k, v = (mx.random.normal((2, 4, 40, 32), key=kk).astype(mx.float16) for kk in keys)
