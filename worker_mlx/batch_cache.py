@@ -152,11 +152,19 @@ class DecodePlan:
         return True
 
     def _fill(self, rows: list[int], slots: list[list[int]]) -> None:
-        keys, values = self._gather(slots, self.idx, self.keys[0].shape[2])
-        row_idx = mx.array(rows, dtype=mx.int32)
+        """Joining requests' KV from the pool into the first `idx` columns of `rows` (later
+        columns are masked until written), one slice update a row: a scatter of whole
+        rows copies the buffer, 7x slower."""
+        keys, values = self._gather(slots, self.idx, self.idx)
         for layer in range(len(self.keys)):
-            self.keys[layer][row_idx] = keys[layer]
-            self.values[layer][row_idx] = values[layer]
+            for i, row in enumerate(rows):
+                at = mx.array([row], dtype=mx.int32)
+                self.keys[layer] = mx.slice_update(
+                    self.keys[layer], keys[layer][i : i + 1], at, (0,)
+                )
+                self.values[layer] = mx.slice_update(
+                    self.values[layer], values[layer][i : i + 1], at, (0,)
+                )
 
     def _gather(
         self, slots: list[list[int]], T: int, cap: int
@@ -211,8 +219,9 @@ class DecodePlan:
             row_idx = mx.array(rows, dtype=mx.int32)
             flat_slots = mx.array([s for row in slots for s in row], dtype=mx.int32)
             for layer in range(len(self.keys)):
-                k = self.keys[layer][row_idx, :, self.flushed : self.idx, :]
-                v = self.values[layer][row_idx, :, self.flushed : self.idx, :]
+                # slice, then pick rows: `x[row_idx, :, a:b]` gathers whole rows first
+                k = self.keys[layer][:, :, self.flushed : self.idx, :][row_idx]
+                v = self.values[layer][:, :, self.flushed : self.idx, :][row_idx]
                 H, D = k.shape[1], k.shape[3]
                 k = k.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, D)
                 v = v.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, v.shape[3])
