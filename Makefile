@@ -63,7 +63,7 @@ format: setup
 bench: setup
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m scheduler.bench_scheduler
-	$(PY) -m worker_mlx.bench_one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64
+	$(PY) -m worker_mlx.bench_one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64 --rounds 5 --compare-mlx-lm
 	$(PY) -m router.bench_serving --suite standard
 
 clean:

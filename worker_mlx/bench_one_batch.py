@@ -1,11 +1,14 @@
 """Latency of one static batch through the worker's ModelRunner, no server around it.
 
     python -m worker_mlx.bench_one_batch --model-path P --batch-size 1 4 \
-        --input-len 60 --output-len 100 [--cached-prefix-len K] [--compare-mlx-lm]
+        --input-len 60 --output-len 100 [--cached-prefix-len K] [--compare-mlx-lm] [--rounds N]
 
 Prints SGLang's bench_one_batch lines for a warm-up and a benchmark pass and appends one
-JSON line per batch size to bench_results/bench_one_batch.jsonl. With --cached-prefix-len
-each prompt is K tokens already in the pool followed by --input-len new tokens. With
+JSON line per batch size to bench_results/bench_one_batch.jsonl. With --rounds N the
+benchmark pass runs N times, batch sizes in turn, and the median pass is reported; with
+several batch sizes the decode throughput of each against the first is printed. With
+--cached-prefix-len each prompt is K tokens already in the pool followed by --input-len
+new tokens. With
 --compare-mlx-lm it also times mlx-lm's own decode step (generate_step at batch 1,
 BatchGenerator above, with mlx's own kernels) in the same run and prints the ratio.
 Decode steps run with the server's lookahead unless --no-overlap.
@@ -146,52 +149,50 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layout = probe_kv_layout(model)
     fast = cpu_fast_path(args.disable_cpu_kernels)
     uninstall = cpu_kernels.install(model) if fast else None
-    max_bs = max(args.batch_size)
-    need = (args.cached_prefix_len + 2 * max_bs * (args.input_len + args.output_len)) * 2 + 64
+    passes = args.rounds + 1
+    need = (
+        args.cached_prefix_len
+        + passes * sum(args.batch_size) * (args.input_len + args.output_len)
+        + 64
+    )
     runner = ModelRunner(
-        model,
-        MlxKVPool(layout, need),
-        vocab_size=model.args.vocab_size,
-        compile_decode=fast,
+        model, MlxKVPool(layout, need), vocab_size=model.args.vocab_size, compile_decode=fast
     )
     kernels = "on" if uninstall else "off"
     print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {kernels}")
-    results = []
-    for bs in args.batch_size:
-        slots = SlotList(need)
-        rng = mx.random.key(args.seed)
-        prefix_ids = mx.random.randint(3, 300, (args.cached_prefix_len,), key=rng).tolist()
-        prefix_slots = slots.take(len(prefix_ids)) if prefix_ids else []
-        if prefix_ids:
-            runner.extend(
-                ExtendBatch(
-                    0, [ExtendReq("prefix", prefix_ids, [], prefix_slots, GREEDY, last_chunk=False)]
+    slots = SlotList(need)
+    cases = [_case(runner, slots, bs, args) for bs in args.batch_size]
+    timed: dict[int, list[dict]] = {bs: [] for bs in args.batch_size}
+    for tag, rounds in (("warmup", 1), ("benchmark", args.rounds)):
+        for _ in range(rounds):  # batch sizes in turn, so noise spreads over all of them
+            for bs, prompts, prefix_slots in cases:
+                res = run_batch(
+                    runner, slots, prompts, prefix_slots, args.output_len, tag, not args.no_overlap
                 )
-            )
-        prompts = [
-            mx.random.randint(3, 300, (args.input_len,), key=mx.random.key(i)).tolist()
-            for i in range(bs)
-        ]
-        for tag in ("warmup", "benchmark"):
-            print(
-                f"--- {tag}: batch size {bs}, input {args.input_len} "
-                f"(+{args.cached_prefix_len} cached), output {args.output_len}"
-            )
-            res = run_batch(
-                runner, slots, prompts, prefix_slots, args.output_len, tag, not args.no_overlap
-            )
-            row = report(res, bs, args.input_len, args.output_len, args.verbose)
+                if tag == "warmup":
+                    print(_header(tag, bs, args))
+                    report(res, bs, args.input_len, args.output_len, args.verbose)
+                else:
+                    timed[bs].append(res)
+    results = []
+    for bs, prompts, _ in cases:
+        many = f", median of {args.rounds} passes" if args.rounds > 1 else ""
+        print(_header("benchmark", bs, args) + many)
+        res = sorted(timed[bs], key=lambda r: statistics.median(r["decode"]))[args.rounds // 2]
+        row = report(res, bs, args.input_len, args.output_len, args.verbose)
         row.update(
             batch_size=bs,
             input_len=args.input_len,
             output_len=args.output_len,
             cached_prefix_len=args.cached_prefix_len,
+            rounds=args.rounds,
             model=path,
             blas=BLAS,
         )
         if args.compare_mlx_lm:
             if uninstall:  # mlx-lm as users run it: its own kernels
                 uninstall()
+            prefix_ids = _prefix_ids(args)
             base = mlx_lm_decode_step(model, [prefix_ids + p for p in prompts], args.output_len)
             uninstall = cpu_kernels.install(model) if fast else None
             row["mlx_lm_median_decode_latency"] = base
@@ -201,8 +202,49 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{row['decode_ratio_vs_mlx_lm']:.3f}"
             )
         results.append(row)
+    _print_scaling(results)
     _append_jsonl(args.result_file, results)
     return results
+
+
+def _header(tag: str, bs: int, args: argparse.Namespace) -> str:
+    return (
+        f"--- {tag}: batch size {bs}, input {args.input_len} "
+        f"(+{args.cached_prefix_len} cached), output {args.output_len}"
+    )
+
+
+def _prefix_ids(args: argparse.Namespace) -> list[int]:
+    key = mx.random.key(args.seed)
+    return mx.random.randint(3, 300, (args.cached_prefix_len,), key=key).tolist()
+
+
+def _case(runner, slots: SlotList, bs: int, args: argparse.Namespace):
+    """(batch size, prompts, prefix slots): the prefix, if any, is extended into the pool."""
+    prefix_ids = _prefix_ids(args)
+    prefix_slots = slots.take(len(prefix_ids)) if prefix_ids else []
+    if prefix_ids:
+        req = ExtendReq(f"prefix-{bs}", prefix_ids, [], prefix_slots, GREEDY, last_chunk=False)
+        runner.extend(ExtendBatch(0, [req]))
+    prompts = [
+        mx.random.randint(3, 300, (args.input_len,), key=mx.random.key(i)).tolist()
+        for i in range(bs)
+    ]
+    return bs, prompts, prefix_slots
+
+
+def _print_scaling(rows: list[dict]) -> None:
+    """Decode throughput of each batch size against the first one's."""
+    if len(rows) < 2:
+        return
+    first = rows[0]
+    for row in rows[1:]:
+        ratio = row["median_decode_throughput"] / first["median_decode_throughput"]
+        row["decode_throughput_vs_first_batch"] = ratio
+        print(
+            f"Decode throughput, batch size {row['batch_size']} / batch size "
+            f"{first['batch_size']}: {ratio:.2f}x"
+        )
 
 
 def _preset_model(preset: str):
@@ -231,6 +273,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-cpu-kernels", action="store_true", help="as the server flag")
     p.add_argument("--no-overlap", action="store_true", help="decode without the lookahead")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="benchmark passes per batch size, batch sizes taken in turn; figures are the "
+        "median pass (on a noisy machine one pass can be 30%% off)",
+    )
     p.add_argument("--verbose", action="store_true", help="print every decode step")
     p.add_argument("--result-file", default="bench_results/bench_one_batch.jsonl")
     return p.parse_args(argv)

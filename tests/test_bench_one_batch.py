@@ -1,0 +1,27 @@
+"""bench_one_batch runs end to end on the tiny model and its figures add up."""
+
+from __future__ import annotations
+
+import json
+
+from worker_mlx import bench_one_batch
+
+
+def test_rounds_and_scaling_are_reported(tiny_model, tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    rows = bench_one_batch.main(
+        ["--model-path", tiny_model, "--batch-size", "1", "3", "--input-len", "8"]
+        + ["--output-len", "5", "--cached-prefix-len", "20", "--rounds", "3"]
+        + ["--result-file", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert printed.count("--- warmup") == 2
+    assert printed.count("median of 3 passes") == 2
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["rounds"] == 3 and r["cached_prefix_len"] == 20
+        assert r["median_decode_throughput"] == r["batch_size"] / r["median_decode_latency"]
+    scaling = rows[1]["median_decode_throughput"] / rows[0]["median_decode_throughput"]
+    assert rows[1]["decode_throughput_vs_first_batch"] == scaling
+    assert f"batch size 3 / batch size 1: {scaling:.2f}x" in printed
+    assert [json.loads(line)["batch_size"] for line in out.read_text().splitlines()] == [1, 3]
