@@ -8,9 +8,9 @@ JSON line per batch size to bench_results/bench_one_batch.jsonl. With --rounds N
 benchmark pass runs N times, batch sizes in turn, and the median pass is reported; with
 several batch sizes the decode throughput of each against the first is printed. With
 --cached-prefix-len each prompt is K tokens already in the pool followed by --input-len
-new tokens. With
---compare-mlx-lm it also times mlx-lm's own decode step (generate_step at batch 1,
-BatchGenerator above, with mlx's own kernels) in the same run and prints the ratio.
+new tokens. With --compare-mlx-lm it also times mlx-lm's own decode step (generate_step
+at batch 1, BatchGenerator above, with mlx's own kernels) in the same run and prints the
+ratio.
 Decode steps run with the server's lookahead unless --no-overlap.
 """
 
