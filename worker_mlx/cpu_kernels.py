@@ -113,6 +113,8 @@ def host_softmax(scores: mx.array, mask: mx.array | None) -> mx.array:
     Inside `mx.compile`, where nothing can be evaluated, it is `softmax` on the graph. Rows
     must keep at least one unmasked key, as every plan's do."""
     scores = scores.astype(mx.float32)
+    if mask is not None and mask.dtype != mx.bool_:
+        mask = mask.astype(mx.float32)  # numpy has no bfloat16
     if not _evaluated(scores, *([] if mask is None else [mask])):
         return softmax(_masked(scores, mask))
     s = np.asarray(memoryview(scores))  # a writable view of the buffer, no copy
