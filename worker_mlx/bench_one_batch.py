@@ -146,25 +146,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = args.model_path or str(_preset_model(args.preset))
     keep_buffers()
     model, _ = load(path)
-    layout = probe_kv_layout(model)
-    fast = cpu_fast_path(args.disable_cpu_kernels)
-    uninstall = cpu_kernels.install(model) if fast else None
-    passes = args.rounds + 1
+    uninstall = cpu_kernels.install(model) if cpu_fast_path(args.disable_cpu_kernels) else None
+    print(
+        f"model {path}: {probe_kv_layout(model)}, BLAS: {BLAS}, "
+        f"CPU kernels: {'on' if uninstall else 'off'}"
+    )
+    try:
+        results = _benchmark(model, args, compiled=uninstall is not None)
+        for row in results:
+            row.update(model=path, blas=BLAS)
+        if args.compare_mlx_lm:
+            if uninstall:  # mlx-lm as users run it: its own kernels
+                uninstall()
+            _compare_with_mlx_lm(model, results, args)
+    finally:
+        if uninstall:
+            uninstall()
+    _print_scaling(results)
+    _append_jsonl(args.result_file, results)
+    return results
+
+
+def _benchmark(model, args: argparse.Namespace, compiled: bool) -> list[dict]:
+    """A warm-up pass per batch size, then `rounds` benchmark passes with batch sizes in
+    turn (so noise spreads over all of them); one row per batch size, its median pass."""
     need = (
         args.cached_prefix_len
-        + passes * sum(args.batch_size) * (args.input_len + args.output_len)
+        + (args.rounds + 1) * sum(args.batch_size) * (args.input_len + args.output_len)
         + 64
     )
-    runner = ModelRunner(
-        model, MlxKVPool(layout, need), vocab_size=model.args.vocab_size, compile_decode=fast
-    )
-    kernels = "on" if uninstall else "off"
-    print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {kernels}")
+    pool = MlxKVPool(probe_kv_layout(model), need)
+    runner = ModelRunner(model, pool, model.args.vocab_size, compile_decode=compiled)
     slots = SlotList(need)
     cases = [_case(runner, slots, bs, args) for bs in args.batch_size]
     timed: dict[int, list[dict]] = {bs: [] for bs in args.batch_size}
     for tag, rounds in (("warmup", 1), ("benchmark", args.rounds)):
-        for _ in range(rounds):  # batch sizes in turn, so noise spreads over all of them
+        for _ in range(rounds):
             for bs, prompts, prefix_slots in cases:
                 res = run_batch(
                     runner, slots, prompts, prefix_slots, args.output_len, tag, not args.no_overlap
@@ -174,8 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     report(res, bs, args.input_len, args.output_len, args.verbose)
                 else:
                     timed[bs].append(res)
-    results = []
-    for bs, prompts, _ in cases:
+    rows = []
+    for bs in args.batch_size:
         many = f", median of {args.rounds} passes" if args.rounds > 1 else ""
         print(_header("benchmark", bs, args) + many)
         res = sorted(timed[bs], key=lambda r: statistics.median(r["decode"]))[args.rounds // 2]
@@ -186,25 +203,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
             output_len=args.output_len,
             cached_prefix_len=args.cached_prefix_len,
             rounds=args.rounds,
-            model=path,
-            blas=BLAS,
         )
-        if args.compare_mlx_lm:
-            if uninstall:  # mlx-lm as users run it: its own kernels
-                uninstall()
-            prefix_ids = _prefix_ids(args)
-            base = mlx_lm_decode_step(model, [prefix_ids + p for p in prompts], args.output_len)
-            uninstall = cpu_kernels.install(model) if fast else None
-            row["mlx_lm_median_decode_latency"] = base
-            row["decode_ratio_vs_mlx_lm"] = row["median_decode_latency"] / base
-            print(
-                f"mlx-lm decode step: {base:.5f} s; radix-mlx / mlx-lm = "
-                f"{row['decode_ratio_vs_mlx_lm']:.3f}"
-            )
-        results.append(row)
-    _print_scaling(results)
-    _append_jsonl(args.result_file, results)
-    return results
+        rows.append(row)
+    return rows
+
+
+def _compare_with_mlx_lm(model, rows: list[dict], args: argparse.Namespace) -> None:
+    prefix_ids = _prefix_ids(args)
+    for row in rows:
+        prompts = _prompts(row["batch_size"], args)
+        base = mlx_lm_decode_step(model, [prefix_ids + p for p in prompts], args.output_len)
+        row["mlx_lm_median_decode_latency"] = base
+        row["decode_ratio_vs_mlx_lm"] = row["median_decode_latency"] / base
+        print(
+            f"mlx-lm decode step, batch size {row['batch_size']}: {base:.5f} s; "
+            f"radix-mlx / mlx-lm = {row['decode_ratio_vs_mlx_lm']:.3f}"
+        )
 
 
 def _header(tag: str, bs: int, args: argparse.Namespace) -> str:
@@ -226,11 +240,14 @@ def _case(runner, slots: SlotList, bs: int, args: argparse.Namespace):
     if prefix_ids:
         req = ExtendReq(f"prefix-{bs}", prefix_ids, [], prefix_slots, GREEDY, last_chunk=False)
         runner.extend(ExtendBatch(0, [req]))
-    prompts = [
+    return bs, _prompts(bs, args), prefix_slots
+
+
+def _prompts(bs: int, args: argparse.Namespace) -> list[list[int]]:
+    return [
         mx.random.randint(3, 300, (args.input_len,), key=mx.random.key(i)).tolist()
         for i in range(bs)
     ]
-    return bs, prompts, prefix_slots
 
 
 def _print_scaling(rows: list[dict]) -> None:
