@@ -153,15 +153,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     try:
         results = _benchmark(model, args, compiled=uninstall is not None)
-        for row in results:
-            row.update(model=path, blas=BLAS)
-        if args.compare_mlx_lm:
-            if uninstall:  # mlx-lm as users run it: its own kernels
-                uninstall()
-            _compare_with_mlx_lm(model, results, args)
     finally:
         if uninstall:
-            uninstall()
+            uninstall()  # mlx-lm's own kernels from here on, as users run it
+    for row in results:
+        row.update(model=path, blas=BLAS)
+    if args.compare_mlx_lm:
+        _compare_with_mlx_lm(model, results, args)
     _print_scaling(results)
     _append_jsonl(args.result_file, results)
     return results
@@ -178,11 +176,12 @@ def _benchmark(model, args: argparse.Namespace, compiled: bool) -> list[dict]:
     pool = MlxKVPool(probe_kv_layout(model), need)
     runner = ModelRunner(model, pool, model.args.vocab_size, compile_decode=compiled)
     slots = SlotList(need)
-    cases = [_case(runner, slots, bs, args) for bs in args.batch_size]
+    prefix_slots = _cached_prefix(runner, slots, args)
     timed: dict[int, list[dict]] = {bs: [] for bs in args.batch_size}
     for tag, rounds in (("warmup", 1), ("benchmark", args.rounds)):
         for _ in range(rounds):
-            for bs, prompts, prefix_slots in cases:
+            for bs in args.batch_size:
+                prompts = _prompts(bs, args)
                 res = run_batch(
                     runner, slots, prompts, prefix_slots, args.output_len, tag, not args.no_overlap
                 )
@@ -233,14 +232,15 @@ def _prefix_ids(args: argparse.Namespace) -> list[int]:
     return mx.random.randint(3, 300, (args.cached_prefix_len,), key=key).tolist()
 
 
-def _case(runner, slots: SlotList, bs: int, args: argparse.Namespace):
-    """(batch size, prompts, prefix slots): the prefix, if any, is extended into the pool."""
+def _cached_prefix(runner, slots: SlotList, args: argparse.Namespace) -> list[int]:
+    """The slots of the --cached-prefix-len tokens every prompt starts with, now in the pool."""
     prefix_ids = _prefix_ids(args)
-    prefix_slots = slots.take(len(prefix_ids)) if prefix_ids else []
-    if prefix_ids:
-        req = ExtendReq(f"prefix-{bs}", prefix_ids, [], prefix_slots, GREEDY, last_chunk=False)
-        runner.extend(ExtendBatch(0, [req]))
-    return bs, _prompts(bs, args), prefix_slots
+    if not prefix_ids:
+        return []
+    prefix_slots = slots.take(len(prefix_ids))
+    req = ExtendReq("prefix", prefix_ids, [], prefix_slots, GREEDY, last_chunk=False)
+    runner.extend(ExtendBatch(0, [req]))
+    return prefix_slots
 
 
 def _prompts(bs: int, args: argparse.Namespace) -> list[list[int]]:
