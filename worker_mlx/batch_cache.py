@@ -152,19 +152,18 @@ class DecodePlan:
         return True
 
     def _fill(self, rows: list[int], slots: list[list[int]]) -> None:
-        """Joining requests' KV from the pool into the first `idx` columns of `rows` (later
-        columns are masked until written), one slice update a row: a scatter of whole
-        rows copies the buffer, 7x slower."""
-        keys, values = self._gather(slots, self.idx, self.idx)
-        for layer in range(len(self.keys)):
-            for i, row in enumerate(rows):
-                at = mx.array([row], dtype=mx.int32)
-                self.keys[layer] = mx.slice_update(
-                    self.keys[layer], keys[layer][i : i + 1], at, (0,)
-                )
-                self.values[layer] = mx.slice_update(
-                    self.values[layer], values[layer][i : i + 1], at, (0,)
-                )
+        """Joining requests' KV from the pool into `rows`, one whole row at a time: a row of
+        the buffer's full width is a size MLX's buffer cache has seen before, where a
+        gather sized by the current column needed fresh, page-faulted memory each time (6%
+        more shared-prefix throughput), and a slice update per row is 7x faster than a
+        row scatter, which copied the whole buffer."""
+        cap = self.keys[0].shape[2]
+        for row, row_slots in zip(rows, slots):
+            keys, values = self._gather([row_slots], self.idx, cap)
+            at = mx.array([row], dtype=mx.int32)
+            for layer in range(len(self.keys)):
+                self.keys[layer] = mx.slice_update(self.keys[layer], keys[layer], at, (0,))
+                self.values[layer] = mx.slice_update(self.values[layer], values[layer], at, (0,))
 
     def _gather(
         self, slots: list[list[int]], T: int, cap: int
