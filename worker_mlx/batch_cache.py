@@ -176,8 +176,7 @@ class DecodePlan:
         return [k for k, _ in pairs], [v for _, v in pairs]
 
     def begin_step(self) -> None:
-        if self.idx >= self.keys[0].shape[2]:
-            self._grow()
+        self._make_room()
         positions = [self.idx - p for p in self.left_pad]
         self.offset = positions[0] if len(positions) == 1 else mx.array(positions, mx.int32)
         if max(self.left_pad) == 0:
@@ -191,8 +190,7 @@ class DecodePlan:
 
     def run(self, step: DecodeStep, tokens: mx.array) -> mx.array:
         """One decode step through a compiled `step` (see compiled_decode); the logits."""
-        if self.idx >= self.keys[0].shape[2]:
-            self._grow()
+        self._make_room()
         column = mx.array([self.idx], dtype=mx.int32)
         width = attention_width(self.idx, self.keys[0].shape[2])
         logits, self.keys, self.values = step(
@@ -201,8 +199,11 @@ class DecodePlan:
         self.idx += 1
         return logits
 
-    def _grow(self) -> None:
-        """Double the capacity; the only concatenation, amortised over many steps."""
+    def _make_room(self) -> None:
+        """Double the capacity when column `idx` is past it; the only concatenation,
+        amortised over many steps."""
+        if self.idx < self.keys[0].shape[2]:
+            return
         for i in range(len(self.keys)):
             self.keys[i] = mx.concatenate([self.keys[i], mx.zeros_like(self.keys[i])], axis=2)
             self.values[i] = mx.concatenate([self.values[i], mx.zeros_like(self.values[i])], axis=2)
