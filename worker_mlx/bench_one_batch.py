@@ -146,13 +146,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = args.model_path or str(_preset_model(args.preset))
     keep_buffers()
     model, _ = load(path)
+    layout = probe_kv_layout(model)
     uninstall = cpu_kernels.install(model) if cpu_fast_path(args.disable_cpu_kernels) else None
-    print(
-        f"model {path}: {probe_kv_layout(model)}, BLAS: {BLAS}, "
-        f"CPU kernels: {'on' if uninstall else 'off'}"
-    )
+    print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {'on' if uninstall else 'off'}")
     try:
-        results = _benchmark(model, args, compiled=uninstall is not None)
+        results = _benchmark(model, layout, args, compiled=uninstall is not None)
     finally:
         if uninstall:
             uninstall()  # mlx-lm's own kernels from here on, as users run it
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return results
 
 
-def _benchmark(model, args: argparse.Namespace, compiled: bool) -> list[dict]:
+def _benchmark(model, layout, args: argparse.Namespace, compiled: bool) -> list[dict]:
     """A warm-up pass per batch size, then `rounds` benchmark passes with batch sizes in
     turn (so noise spreads over all of them); one row per batch size, its median pass."""
     need = (
@@ -173,18 +171,19 @@ def _benchmark(model, args: argparse.Namespace, compiled: bool) -> list[dict]:
         + (args.rounds + 1) * sum(args.batch_size) * (args.input_len + args.output_len)
         + 64
     )
-    pool = MlxKVPool(probe_kv_layout(model), need)
+    pool = MlxKVPool(layout, need)
     runner = ModelRunner(model, pool, model.args.vocab_size, compile_decode=compiled)
     slots = SlotList(need)
     prefix_slots = _cached_prefix(runner, slots, args)
+    prompts = {bs: _prompts(bs, args) for bs in args.batch_size}
     timed: dict[int, list[dict]] = {bs: [] for bs in args.batch_size}
     for tag, rounds in (("warmup", 1), ("benchmark", args.rounds)):
         for _ in range(rounds):
             for bs in args.batch_size:
-                prompts = _prompts(bs, args)
                 res = run_batch(
-                    runner, slots, prompts, prefix_slots, args.output_len, tag, not args.no_overlap
-                )
+                    runner, slots, prompts[bs], prefix_slots, args.output_len, tag,
+                    not args.no_overlap,
+                )  # fmt: skip
                 if tag == "warmup":
                     print(_header(tag, bs, args))
                     report(res, bs, args.input_len, args.output_len, args.verbose)
@@ -251,7 +250,8 @@ def _prompts(bs: int, args: argparse.Namespace) -> list[list[int]]:
 
 
 def _print_scaling(rows: list[dict]) -> None:
-    """Decode throughput of each batch size against the first one's."""
+    """Decode throughput of each batch size against the first one's: printed, and kept in
+    its row (`decode_throughput_vs_first_batch`) for the JSONL."""
     if len(rows) < 2:
         return
     first = rows[0]
