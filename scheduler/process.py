@@ -1,7 +1,7 @@
 """The scheduler process: sockets around `Scheduler`.
 
 Waits for the worker's pool report, tells the router it is ready, then loops: take
-requests, send a batch, wait for its result while still taking requests, send outputs.
+requests, send a batch, wait for its result while still taking requests, send its outputs.
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ class SchedulerProcess:
             batch = sched.next_batch()
             if batch is not None:
                 self.to_worker.send(encode(batch))
-            self._send_outputs()  # the last step's tokens go out while the worker computes
+            self._send_outputs()  # errors and stats; tokens went out as they came
             if batch is not None and not isinstance(batch, ReleaseBatch):
                 sched.on_result(self._wait_result(batch))
+                self._send_outputs()  # before the next batch is built
 
     def _wait_worker_ready(self) -> WorkerReady:
         while True:

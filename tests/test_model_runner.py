@@ -379,6 +379,31 @@ def test_repeated_prompts_extend_one_token(model_path, compile_decode):
     h.assert_pool_holds("A2")
 
 
+def test_same_prompt_again_reads_the_finished_requests_buffer(model_path):
+    """A prompt sent again right after its request finished: the one-token step runs on
+    that request's decode buffer (no gather); a cached prompt of another request does not."""
+    h = Harness(model_path)
+    rng = random.Random(12)
+    first, prompt = random_prompt(rng, 30, h.vocab), random_prompt(rng, 40, h.vocab)
+    assert generate(h, {"C": first}, 3)["C"] == reference(h.path, first, 3)
+    assert generate(h, {"A": prompt}, 5)["A"] == reference(h.path, prompt, 5)
+    buffer = h.runner.decode_plan
+    assert h.runner.kept is not None and h.runner.kept.plan is buffer
+
+    h.extend([h.ereq("A2", prompt[-1:], prefix=h.prefix("A", len(prompt) - 1))])
+    assert h.runner.decode_plan is buffer
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["A2"] == reference(h.path, prompt, DECODE_STEPS)
+
+    h.release([ReleaseReq("A2", flush=True)])
+    h.extend([h.ereq("C2", first[-1:], prefix=h.prefix("C", len(first) - 1))])
+    assert h.runner.decode_plan is not buffer  # gathered from the pool
+    for _ in range(3):
+        h.decode()
+    assert h.out["C2"] == reference(h.path, first, 4)
+
+
 def test_multi_turn_conversation(model_path):
     """Turn k+1 = turn k's prompt + its output + new user tokens, prefix = all of turn k's KV."""
     h = Harness(model_path)

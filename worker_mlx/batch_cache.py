@@ -151,6 +151,12 @@ class DecodePlan:
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
         return True
 
+    def rewind(self, rid: str, length: int) -> None:
+        """Seat `rid` on the single row, whose first `length` tokens are already its KV
+        (the same prompt again): the next step writes the column after them."""
+        self.rids = [rid]
+        self.idx = self.flushed = self.left_pad[0] + length
+
     def _fill(self, rows: list[int], slots: list[list[int]]) -> None:
         """Joining requests' KV from the pool into `rows`, one whole row at a time: a row of
         the buffer's full width is a size MLX's buffer cache has seen before, where a

@@ -43,6 +43,16 @@ class _Lookahead:
 
 
 @dataclass
+class _Kept:
+    """The one-row decode buffer of a request that finished and the slots its columns
+    hold. Kept until the next descriptor only: nothing writes the pool before then, so
+    its columns are still the pool's KV for those slots."""
+
+    plan: DecodePlan
+    slots: list[int]
+
+
+@dataclass
 class StepOutput:
     rids: list[str]
     next_token_ids: list[int]
@@ -73,19 +83,21 @@ class ModelRunner:
         self.compiled_step = DecodeStep(model) if compile_decode and batched else None
         self.ahead: _Lookahead | None = None  # a decode step computed before it was asked for
         self.lookahead_rids: list[str] | None = None
+        self.kept: _Kept | None = None  # until the next extend or decode
 
     # ------------------------------------------------------------ extend
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
         self._take_lookahead(None)
         self.release(batch.release)
+        kept, self.kept = self.kept, None
         for r in batch.reqs:
             self._check_extend(r)
         self._flush()
         if self.compiled_step is not None and all(
             len(r.input_ids) == 1 and r.last_chunk for r in batch.reqs
         ):
-            return self._extend_one_token(batch.reqs)
+            return self._extend_one_token(batch.reqs, kept)
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         passes = [p for reqs in groups for p in _rounds(reqs, self.prefill_step)]
         last_logits, states, order = [], [], []
@@ -110,13 +122,19 @@ class ModelRunner:
         states = [states[i] for i in perm]
         return self._start_decoding(logits, states)
 
-    def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
+    def _extend_one_token(self, reqs: list[ExtendReq], kept: _Kept | None) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
-        is a decode step, so it runs as one on a new decode buffer, which the next decode
-        of the same requests then keeps using instead of gathering it again."""
+        is a decode step, so it runs as one on a decode buffer, which the next decode of
+        the same requests then keeps using instead of gathering it again. The buffer of
+        the request that just sent the same prompt still holds it, so it needs no gather
+        (1.5-2 ms of a 2,048-token repeat's 6 ms)."""
         states = [self._new_state(r) for r in reqs]
         rids, prefixes = [r.rid for r in reqs], [r.prefix_slot_ids for r in reqs]
-        plan = DecodePlan(self.pool, rids, prefixes, free_columns=2)  # this token and the next
+        if kept is not None and _holds(kept, prefixes):
+            plan = kept.plan
+            plan.rewind(rids[0], len(prefixes[0]))
+        else:
+            plan = DecodePlan(self.pool, rids, prefixes, free_columns=2)  # this token, the next
         tokens = mx.array([r.input_ids for r in reqs])
         logits = plan.run(self.compiled_step, tokens)
         plan.flush(list(range(len(reqs))), [r.out_cache_loc for r in reqs])  # in the pool now
@@ -167,6 +185,7 @@ class ModelRunner:
     def decode(self, batch: DecodeBatch) -> StepOutput:
         ahead = self._take_lookahead(batch)
         self.release(batch.release)
+        self.kept = None
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
         unknown = [rid for rid in batch.rids if rid not in self.reqs]
@@ -294,8 +313,12 @@ class ModelRunner:
         self._take_lookahead(None)
         dropped = {r.rid for r in release if not r.flush}
         self._flush(skip=dropped)
-        if self.decode_plan is not None:
-            self.decode_plan.drop({r.rid for r in release})
+        plan = self.decode_plan
+        if plan is not None:
+            finished = {r.rid for r in release if r.flush}
+            if plan.rids[0] in finished and len(plan.rids) == 1:
+                self.kept = _Kept(plan, self.reqs[plan.rids[0]].slots)
+            plan.drop({r.rid for r in release})
         for r in release:
             self.reqs.pop(r.rid, None)
             self.solo_plans.pop(r.rid, None)
@@ -310,6 +333,14 @@ class ModelRunner:
             rows = [i for i, rid in enumerate(plan.rids) if rid is not None and rid not in skip]
             plan.flush(rows, [self.reqs[plan.rids[i]].slots[-n:] for i in rows])
         mx.eval(self.pool.arrays())
+
+
+def _holds(kept: _Kept, prefixes: list[list[int]]) -> bool:
+    """Whether `kept` holds the one prefix in `prefixes`."""
+    if len(prefixes) != 1:
+        return False
+    prefix = prefixes[0]
+    return 0 < len(prefix) <= len(kept.slots) and kept.slots[: len(prefix)] == prefix
 
 
 def _rounds(reqs: list[ExtendReq], step: int) -> list[tuple[list[ExtendReq], list[ExtendReq]]]:

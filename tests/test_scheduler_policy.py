@@ -1,0 +1,97 @@
+"""The scheduler's choice between prefill and decode, driven in-process step by step.
+
+The test plays the worker: each descriptor is answered with a StepResult whose token is
+taken from the request's own prompt (any valid id does; what is checked is the order).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import scheduler.scheduler as scheduler_module
+from common.messages import (
+    DecodeBatch,
+    ExtendBatch,
+    GenerateReq,
+    ReleaseBatch,
+    SamplingParams,
+    StepResult,
+    WorkerReady,
+)
+from common.server_args import ServerArgs
+from scheduler.scheduler import Scheduler
+
+
+def make_scheduler(**kw) -> Scheduler:
+    args = ServerArgs(model_path="in-process", debug_invariants=True, **kw)
+    ready = WorkerReady(4096, "test", 2, 2, 8, "float32", 4096, 1000, [0], "none")
+    return Scheduler(args, ready)
+
+
+def submit(s: Scheduler, rid: str, n_tokens: int, max_new: int = 8) -> None:
+    prompt = [2 + (hash(rid) + i) % 900 for i in range(n_tokens)]
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    s.on_request(GenerateReq(rid, prompt, sampling))
+
+
+def run_step(s: Scheduler) -> ExtendBatch | DecodeBatch | ReleaseBatch:
+    """Take the next descriptor and answer it as the worker would."""
+    batch = s.next_batch()
+    if isinstance(batch, ReleaseBatch):
+        return batch  # the worker does not answer a release
+    if isinstance(batch, ExtendBatch):
+        rids = [r.rid for r in batch.reqs if r.last_chunk]
+    else:
+        rids = list(batch.rids)
+    s.on_result(StepResult(batch.step, rids, [7] * len(rids)))
+    return batch
+
+
+def kinds(batches) -> list[str]:
+    return ["extend" if isinstance(b, ExtendBatch) else "decode" for b in batches]
+
+
+def test_new_requests_are_prefilled_before_running_ones_decode_again():
+    s = make_scheduler()
+    submit(s, "a", 40)
+    assert kinds([run_step(s)]) == ["extend"]
+    submit(s, "b", 40)
+    submit(s, "c", 40)
+    second = run_step(s)
+    assert isinstance(second, ExtendBatch)
+    assert [r.rid for r in second.reqs] == ["b", "c"]
+    third = run_step(s)
+    assert isinstance(third, DecodeBatch) and third.rids == ["a", "b", "c"]
+
+
+def test_chunks_of_a_long_prompt_run_back_to_back_and_its_batch_decodes_in_step():
+    s = make_scheduler(chunked_prefill_size=64)
+    submit(s, "short", 16)
+    submit(s, "long", 200)  # four chunks of at most 64 tokens with the short one's 16
+    steps = [run_step(s) for _ in range(6)]
+    assert kinds(steps) == ["extend"] * 4 + ["decode"] * 2
+    assert all(b.rids == ["short", "long"] for b in steps[4:])
+
+
+def test_running_requests_stalled_past_the_limit_get_a_decode_step(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "MAX_DECODE_STALL", 0.0)
+    s = make_scheduler(chunked_prefill_size=64)
+    submit(s, "a", 16)
+    run_step(s)
+    submit(s, "long", 200)
+    steps = [run_step(s) for _ in range(6)]
+    assert kinds(steps) == ["extend", "decode"] * 3  # with no time to wait: one each
+
+
+@pytest.mark.parametrize("stall", [0.0, 10.0])
+def test_every_request_finishes_whatever_the_stall_limit(monkeypatch, stall):
+    monkeypatch.setattr(scheduler_module, "MAX_DECODE_STALL", stall)
+    s = make_scheduler(chunked_prefill_size=32)
+    for i in range(6):
+        submit(s, f"r{i}", 20 + 30 * i, max_new=5)
+    for _ in range(200):
+        if not s.busy:
+            break
+        run_step(s)
+    finished = {o.rid for o in s.take_outputs() if o.finish_reason is not None}
+    assert finished == {f"r{i}" for i in range(6)}
