@@ -35,8 +35,6 @@ logger = logging.getLogger("scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-# Longest that running requests wait for prefills before they get a decode step (seconds).
-MAX_DECODE_STALL = 0.5
 
 
 class Scheduler:
@@ -60,7 +58,7 @@ class Scheduler:
         self.step = 0
         self.in_flight: PrefillBatch | list[Req] | None = None
         self.retracted = 0
-        self.stalled_since: float | None = None  # running requests waiting since then
+        self.last_was_prefill = False
         self.decode_steps = 0
         self._decode_log = (time.monotonic(), 0)
 
@@ -117,7 +115,10 @@ class Scheduler:
     def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
         """The next message for the worker, or None when idle."""
         prefill = None
-        if (self.waiting or self.chunked) and not self._decode_overdue():
+        # After a prefill, running requests get one decode step before the next prefill, so
+        # a stream of long prompts cannot stall them for several prefill steps in a row.
+        decode_turn = self.last_was_prefill and bool(self.running)
+        if (self.waiting or self.chunked) and not decode_turn:
             prefill = build_prefill(
                 self.waiting,
                 self.chunked,
@@ -128,6 +129,7 @@ class Scheduler:
                 max_running=self.args.max_running_requests,
                 new_token_ratio=self.new_token_ratio,
             )
+        self.last_was_prefill = prefill is not None
         if prefill is not None:
             return self._extend_batch(prefill)
         if self.running:
@@ -136,20 +138,6 @@ class Scheduler:
             self.step += 1
             return ReleaseBatch(self.step, self._take_release())
         return None
-
-    def _decode_overdue(self) -> bool:
-        """Prefill goes first, as in SGLang: requests that arrive together then decode in
-        step and finish together, and the next wave joins as one batch. (One decode step
-        after every prefill put each chunk's requests a step apart, and every wave then
-        cost several small prefills and buffer joins: shared-prefix load 15% slower.) Only
-        running requests kept waiting MAX_DECODE_STALL by a stream of prefills get a step."""
-        if not self.running:
-            self.stalled_since = None
-            return False
-        now = time.monotonic()
-        if self.stalled_since is None:
-            self.stalled_since = now
-        return now - self.stalled_since > MAX_DECODE_STALL
 
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
         now = time.monotonic()
@@ -183,7 +171,6 @@ class Scheduler:
         for req, loc in zip(self.running, locs):
             self.kv.append_decode_slot(req, loc)
         self.in_flight = list(self.running)
-        self.stalled_since = None
         self.step += 1
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
