@@ -33,6 +33,7 @@ class ServerArgs:
     served_model_name: str | None = None
     debug_invariants: bool = False
     seed: int = 0
+    trace_dir: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError with the flag name for a value that cannot work."""
@@ -122,6 +123,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--served-model-name", default=None)
     a("--debug-invariants", action="store_true", help="check KV bookkeeping every step")
     a("--seed", type=int, default=d.seed)
+    a(
+        "--trace-dir",
+        default=None,
+        help="append timestamped events of every process there (python -m router.trace_report)",
+    )
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

@@ -24,6 +24,7 @@ import uvloop
 from common.ipc import Endpoints
 from common.log import setup_logging
 from common.server_args import ServerArgs
+from common.trace import Trace
 from router.frontdoor import FrontDoor
 from router.http_server import create_app
 from router.manager import RouterManager
@@ -96,7 +97,12 @@ def _dead_child(children: dict) -> str | None:
 async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dict) -> int:
     metrics = Metrics()
     manager = RouterManager(
-        endpoints.scheduler_in, endpoints.router_in, tokenizer, metrics, args.max_queued_requests
+        endpoints.scheduler_in,
+        endpoints.router_in,
+        tokenizer,
+        metrics,
+        args.max_queued_requests,
+        Trace(args.trace_dir, "router"),
     )
     receiver = asyncio.create_task(manager.receive_loop())
     try:

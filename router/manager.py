@@ -30,6 +30,7 @@ from common.messages import (
     TokenOutBatch,
 )
 from common.protocol import ProtocolError, decode, encode
+from common.trace import Trace
 
 logger = logging.getLogger("router")
 
@@ -50,13 +51,20 @@ class _Pending:
 
 class RouterManager:
     def __init__(
-        self, scheduler_in: str, router_in: str, tokenizer, metrics=None, max_pending: int = 4096
+        self,
+        scheduler_in: str,
+        router_in: str,
+        tokenizer,
+        metrics=None,
+        max_pending: int = 4096,
+        trace: Trace | None = None,
     ):
         self.ctx = zmq.asyncio.Context()
         self.to_scheduler = connect_push(self.ctx, scheduler_in)
         self.from_scheduler = bind_pull(self.ctx, router_in)
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.trace = trace or Trace(None, "router")
         self.pending: dict[str, _Pending] = {}
         self.max_pending = max_pending
         self.ready: SchedulerReady | None = None
@@ -77,6 +85,7 @@ class RouterManager:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, TokenOutBatch):
+            self.trace("tokens", *(out.rid for out in msg.outputs))
             for out in msg.outputs:
                 self._deliver(out.rid, out)
         elif isinstance(msg, ReqError):
@@ -123,6 +132,7 @@ class RouterManager:
         self.pending[rid] = pending = _Pending()
         finished = False
         try:
+            self.trace("submit", rid)
             await self.to_scheduler.send(encode(GenerateReq(rid, input_ids, sampling)))
             while True:
                 item = await pending.queue.get()

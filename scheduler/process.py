@@ -20,6 +20,7 @@ from common.messages import (
     SCHEDULER_FROM_WORKER,
     DecodeBatch,
     ExtendBatch,
+    GenerateReq,
     ReleaseBatch,
     ReqError,
     SchedulerReady,
@@ -28,6 +29,7 @@ from common.messages import (
 )
 from common.protocol import ProtocolError, decode, encode, peek_rid
 from common.server_args import ServerArgs
+from common.trace import Trace
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("scheduler")
@@ -46,6 +48,7 @@ class SchedulerProcess:
         self.poller.register(self.from_router, zmq.POLLIN)
         self.poller.register(self.from_worker, zmq.POLLIN)
         self.watch = ParentWatch()
+        self.trace = Trace(args.trace_dir, "scheduler")
         self.sched: Scheduler | None = None
         self._last_stats = 0.0
 
@@ -67,6 +70,7 @@ class SchedulerProcess:
             self._poll(timeout_ms=0 if sched.busy else int(STATS_INTERVAL * 1000))
             batch = sched.next_batch()
             if batch is not None:
+                self._trace_batch(batch)  # before the send: the worker may log first
                 self.to_worker.send(encode(batch))
             self._send_outputs()  # errors and stats; tokens went out as they came
             if batch is not None and not isinstance(batch, ReleaseBatch):
@@ -87,6 +91,7 @@ class SchedulerProcess:
             if msg is None:
                 continue
             if getattr(msg, "step", None) == batch.step:
+                self.trace("result", batch.step)
                 return msg
             logger.warning(
                 "dropping %s for step %s while waiting for step %d",
@@ -126,13 +131,24 @@ class SchedulerProcess:
                     self.to_router.send(encode(ReqError(rid, f"bad request frame: {exc}")))
                 continue
             if self.sched is not None:
+                if isinstance(msg, GenerateReq):
+                    self.trace("request", msg.rid)
                 self.sched.on_request(msg)
+
+    def _trace_batch(self, batch) -> None:
+        if not self.trace.enabled:
+            return
+        if isinstance(batch, ExtendBatch):
+            self.trace("extend", batch.step, *(r.rid for r in batch.reqs))
+        elif isinstance(batch, DecodeBatch):
+            self.trace("decode", batch.step, *batch.rids)
 
     def _send_outputs(self) -> None:
         sched = self.sched
         outputs = sched.take_outputs()
         tokens = [o for o in outputs if not isinstance(o, ReqError)]
         if tokens:
+            self.trace("out", *(t.rid for t in tokens))
             self.to_router.send(encode(TokenOutBatch(tokens)))
         for err in outputs:
             if isinstance(err, ReqError):

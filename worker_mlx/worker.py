@@ -25,6 +25,7 @@ from common.messages import (
 )
 from common.protocol import ProtocolError, decode, encode
 from common.server_args import ServerArgs
+from common.trace import Trace
 
 logger = logging.getLogger("worker")
 
@@ -44,10 +45,10 @@ def run_worker(args: ServerArgs, endpoints: Endpoints) -> None:
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox)
+    serve(runner, inbox, outbox, Trace(args.trace_dir, "worker"))
 
 
-def serve(runner, inbox, outbox) -> None:
+def serve(runner, inbox, outbox, trace: Trace) -> None:
     import zmq
 
     watch = ParentWatch()
@@ -66,7 +67,10 @@ def serve(runner, inbox, outbox) -> None:
             logger.warning("bad frame from scheduler: %s", exc)
             outbox.send(encode(WorkerError(step=-1, message=f"bad frame: {exc}")))
             continue
+        step = getattr(msg, "step", -1)
+        trace("recv", step)
         reply = execute(runner, msg)
+        trace("done", step)
         if reply is not None:
             outbox.send(encode(reply))
         runner.run_ahead()  # the next decode step computes while the scheduler works
