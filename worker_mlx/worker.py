@@ -68,7 +68,7 @@ def serve(runner, inbox, outbox, trace: Trace) -> None:
             outbox.send(encode(WorkerError(step=-1, message=f"bad frame: {exc}")))
             continue
         step = getattr(msg, "step", -1)
-        trace("recv", step)
+        trace("recv", step, *(["ahead"] if runner.ahead is not None else []))
         reply = execute(runner, msg)
         trace("done", step)
         if reply is not None:
