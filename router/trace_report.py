@@ -39,7 +39,7 @@ def read_events(directory: str) -> list[tuple[int, str, str, list[str]]]:
 def first_token_timelines(events) -> dict[str, dict[str, int]]:
     """For each request, the time of each point its first token passed."""
     marks: dict[str, dict[str, int]] = defaultdict(dict)
-    step_kind, step_rids, worker = {}, {}, defaultdict(dict)
+    worker: dict[str, dict[str, int]] = defaultdict(dict)  # step -> its points
     last_batch: dict[str, str] = {}  # rid -> step of the latest batch that carried it
     for ns, process, event, ids in events:
         if process == "router" and event == "submit":
@@ -48,7 +48,6 @@ def first_token_timelines(events) -> dict[str, dict[str, int]]:
             marks[ids[0]].setdefault("request", ns)
         elif process == "scheduler" and event in ("extend", "decode"):
             step, rids = ids[0], ids[1:]
-            step_kind[step], step_rids[step] = event, rids
             worker[step]["sent"] = ns
             for rid in rids:
                 last_batch[rid] = step
