@@ -15,7 +15,8 @@ SiLU and the attention softmax were over half of a prefill. Two replacements:
 
 `install(model)` routes the model's `swiglu` and `scaled_dot_product_attention` (module
 globals of its mlx-lm model file) through these, after checking they agree with the stock
-functions. Only the worker calls it, so only the worker process is changed.
+functions, and gives its RoPE modules a table of angles (`cpu_rope`). Only the worker calls
+it, so only the worker process is changed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from worker_mlx import cpu_rope
 
 logger = logging.getLogger("worker")
 
@@ -206,11 +209,16 @@ def install(model: nn.Module) -> Callable[[], None] | None:
         return None
     for name, fast in swaps.items():
         setattr(module, name, fast)
-    logger.info("CPU kernels: %s use the vectorised exp", ", ".join(sorted(swaps)))
+    ropes = cpu_rope.install(model) if cpu_rope.agrees_exactly() else []
+    logger.info(
+        "CPU kernels: %s use the vectorised exp; %d RoPE modules look up their angles",
+        ", ".join(sorted(swaps)), len(ropes),
+    )  # fmt: skip
 
     def uninstall() -> None:
         for name in swaps:
             setattr(module, name, stock[name])
+        cpu_rope.uninstall(ropes)
 
     return uninstall
 
