@@ -84,6 +84,29 @@ def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled):
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+def test_extend_mask_with_visible_prefix_columns():
+    """An extend's mask: rows see their own prefix (one row's is shorter, so its padding
+    columns are hidden), then the new tokens causally. Masking starts at the first column
+    any row cannot see, and the columns before it must still be right for every row."""
+    keys = mx.random.split(mx.random.key(11), 3)
+    B, H, L, P, D = 3, 4, 40, 600, 16
+    q = mx.random.normal((B, H, L, D), key=keys[0])
+    k = mx.random.normal((B, 2, P + L, D), key=keys[1]) * 3
+    v = mx.random.normal((B, 2, P + L, D), key=keys[2])
+    cols = mx.arange(P + L)
+    prefix_ok = cols[None, :] < mx.array([P, P, 450])[:, None]
+    causal = (cols[None, :] >= P) & (cols[None, :] - P <= mx.arange(L)[:, None])
+    mask = (prefix_ok[:, None, :] | causal[None])[:, None]
+    for m in (mask, mask[:2]):  # with the short row (hidden from 450 on) and without it
+        want = mx.fast.scaled_dot_product_attention(
+            q[: len(m)], k[: len(m)], v[: len(m)], scale=0.3, mask=m
+        )
+        got = scaled_dot_product_attention(q[: len(m)], k[: len(m)], v[: len(m)], None, 0.3, m)
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    assert cpu_kernels._first_hidden_column(np.array(mask)) == 450
+    assert cpu_kernels._first_hidden_column(np.array(mask[:2])) == P + 1
+
+
 @pytest.mark.parametrize("width", [600, 608, 2112])
 def test_softmax_matches_mlx(width):
     """Widths that split into blocks (608, 2112: every decode width) reduce block-wise."""

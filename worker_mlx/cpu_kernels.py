@@ -129,12 +129,20 @@ def host_exp(scores: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.arra
     if mask is not None:
         m = np.asarray(memoryview(mask))
         if m.dtype == np.bool_:
-            np.copyto(s, -np.inf, where=~m)
+            first = _first_hidden_column(m)  # the columns before it are visible to all rows
+            np.copyto(s[..., first:], -np.inf, where=~m[..., first:])
         else:
             s += m
     np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
     np.exp(s, out=s)
     return scores, mx.array(np.reciprocal(s.sum(axis=-1, keepdims=True)))
+
+
+def _first_hidden_column(mask: np.ndarray) -> int:
+    """The first column some row cannot see: an extend's prefix columns are usually visible
+    to every row, so masking starts there (a pass over bytes instead of floats)."""
+    visible = mask.all(axis=tuple(range(mask.ndim - 1)))
+    return int(np.argmin(visible)) if not visible.all() else mask.shape[-1]
 
 
 def _masked(scores: mx.array, mask: mx.array | None) -> mx.array:
