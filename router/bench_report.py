@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -55,23 +54,11 @@ class RunResult:
     duration: float
     requests: list[RequestResult]
     info: dict[str, Any] = field(default_factory=dict)
+    repeat: int = 0  # which repeat of the plan (another seed, fresh servers)
 
     def load_key(self) -> str:
         """Which runs are comparable: same load, different backend."""
         return f"{self.workload.key()} c{self.max_concurrency or 'inf'} r{self.request_rate}"
-
-
-@dataclass
-class Target:
-    """An issue target: value(num) / value(den) `op` bound, on one load."""
-
-    label: str
-    workload: str
-    concurrency: int | None
-    num: tuple[str, str]  # (backend, metric)
-    den: tuple[str, str]
-    op: str  # ">=" or "<="
-    bound: float
 
 
 BUSY_CORES = 0.25  # more CPU than this used by other processes disturbs a run
@@ -254,6 +241,7 @@ def jsonl_row(run: RunResult, m: dict[str, Any]) -> dict[str, Any]:
         "workload_params": run.workload.params,
         "max_concurrency": run.max_concurrency,
         "request_rate": run.request_rate,
+        "repeat": run.repeat,
         **run.info,
         **m,
         "ttfts_ms": [round(r.ttft * 1000, 3) for r in run.requests if r.ok],
@@ -343,25 +331,6 @@ def _ratio(per: dict[str, dict], backend: str, name: str) -> str:
     return f"{metric(per[backend], name) / den:.2f}x" if den else "-"
 
 
-def check_targets(results: list[tuple[RunResult, dict]], targets: list[Target]) -> list[str]:
-    """One line per target: the measured ratio and whether it holds."""
-    lines = []
-    for t in targets:
-        found = {
-            run.backend: m
-            for run, m in results
-            if run.workload.name == t.workload and run.max_concurrency == t.concurrency
-        }
-        try:
-            value = metric(found[t.num[0]], t.num[1]) / metric(found[t.den[0]], t.den[1])
-        except (KeyError, ZeroDivisionError):
-            lines.append(f"  [ n/a ] {t.label}: a run is missing")
-            continue
-        ok = value >= t.bound if t.op == ">=" else value <= t.bound
-        lines.append(f"  [{'met' if ok else 'MISS':^5}] {t.label}: {value:.3f} ({t.op} {t.bound})")
-    return lines
-
-
 def save_plots(results: list[tuple[RunResult, dict]], out_dir: Path) -> list[Path]:
     """Throughput vs concurrency and TTFT distributions; skipped without matplotlib."""
     try:
@@ -431,64 +400,6 @@ def _ttft_plot(plt, results, path: Path) -> Path | None:
     return path
 
 
-STANDARD_TARGETS = [
-    Target(
-        "shared-prefix c8 output tok/s ÷ mlx-lm",
-        "generated-shared-prefix",
-        8,
-        ("radix-mlx", "output_throughput"),
-        (REFERENCE, "output_throughput"),
-        ">=",
-        2.5,
-    ),
-    Target(
-        "shared-prefix c8 TTFT p50 ÷ mlx-lm",
-        "generated-shared-prefix",
-        8,
-        ("radix-mlx", "median_ttft_ms"),
-        (REFERENCE, "median_ttft_ms"),
-        "<=",
-        0.3,
-    ),
-    Target(
-        "multi-turn c8 TTFT p50 ÷ mlx-lm",
-        "multi-turn",
-        8,
-        ("radix-mlx", "median_ttft_ms"),
-        (REFERENCE, "median_ttft_ms"),
-        "<=",
-        0.5,
-    ),
-    Target(
-        "repeat warm TTFT ÷ mlx-lm warm TTFT",
-        "repeat",
-        1,
-        ("radix-mlx", "ttft_warm"),
-        (REFERENCE, "ttft_warm"),
-        "<=",
-        0.5,
-    ),
-    Target(
-        "repeat warm TTFT ÷ own cold TTFT",
-        "repeat",
-        1,
-        ("radix-mlx", "ttft_warm"),
-        ("radix-mlx", "ttft_cold"),
-        "<=",
-        0.02,
-    ),
-    Target(
-        "random c8 output tok/s ÷ mlx-lm",
-        "random",
-        8,
-        ("radix-mlx", "output_throughput"),
-        (REFERENCE, "output_throughput"),
-        ">=",
-        1.2,
-    ),
-]
-
-
 def held_first_tokens(tokenizer, reqs: list[RequestResult]) -> int | None:
     """Requests whose first token mlx_lm.server's detokenizer would hold back (partial UTF-8
     or a lone space), so its first text chunk comes a decode step late: a TTFT caveat."""
@@ -498,18 +409,3 @@ def held_first_tokens(tokenizer, reqs: list[RequestResult]) -> int | None:
     return sum(
         tokenizer.decode([t]).endswith("\ufffd") or tokenizer.decode([t]) == " " for t in firsts
     )
-
-
-def report(results: list[tuple[RunResult, dict]], args) -> int:
-    """Comparison, targets, plots; exit status 1 if any request failed."""
-    print("\n" + comparison_table(results))
-    if args.suite == "standard":
-        print("\nissue targets (radix-mlx, small model):")
-        print("\n".join(check_targets(results, STANDARD_TARGETS)))
-    if not args.no_plots:
-        for path in save_plots(results, Path(args.output_dir)):
-            print(f"plot: {path}")
-    failed = sum(m["failed"] for _, m in results)
-    if failed:
-        print(f"\n{failed} request(s) failed; see the tables above", file=sys.stderr)
-    return 1 if failed else 0

@@ -43,8 +43,8 @@ from router.bench_report import (
     format_table,
     held_first_tokens,
     jsonl_row,
-    report,
 )
+from router.bench_summary import report
 from router.bench_workloads import (
     WORKLOADS,
     Clock,
@@ -329,9 +329,10 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 async def run_backend(
-    backend: str, runs: list[PlannedRun], args, model: str, tokenizer, info: dict
+    backend: str, runs: list[PlannedRun], args, model: str, tokenizer, info: dict, repeat: int = 0
 ) -> list[tuple[RunResult, dict]]:
-    """Start (or reach) one backend, run its share of the plan, always stop it."""
+    """Start (or reach) one backend, run its share of the plan, always stop it. Repeat k
+    sends other prompts (seed + k), the same on every backend."""
     server = None
     if args.base_url:
         ep = Endpoint(backend, args.base_url.rstrip("/"), args.zmq_address)
@@ -339,7 +340,9 @@ async def run_backend(
         server = ManagedServer(backend, model, Path(args.output_dir) / "logs", args.server_args)
         print(f"starting {backend}: {shlex.join(server.cmd)}", flush=True)
         ep = await asyncio.to_thread(server.start)
-    opts = dict(request_rate=args.request_rate, seed=args.seed, progress=not args.no_progress)
+    opts = dict(
+        request_rate=args.request_rate, seed=args.seed + repeat, progress=not args.no_progress
+    )
     out = []
     try:
         await warm_up(ep, args.transport, tokenizer, args.warmup_requests)
@@ -347,6 +350,7 @@ async def run_backend(
             run = await bench_run(
                 ep, args.transport, pr.spec, tokenizer, pr.max_concurrency, info=info, **opts
             )
+            run.repeat = repeat
             m = compute_metrics(run)
             print(format_table(run, m), flush=True)
             append_jsonl(Path(args.result_file), jsonl_row(run, m))
@@ -362,9 +366,12 @@ async def run_plan(
 ) -> list[tuple[RunResult, dict]]:
     info = machine_info(model, args)
     results = []
-    for backend in dict.fromkeys(pr.backend for pr in plan):
-        mine = [pr for pr in plan if pr.backend == backend]
-        results += await run_backend(backend, mine, args, model, tokenizer, info)
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            print(f"\n=== repeat {repeat + 1} of {args.repeats}", flush=True)
+        for backend in dict.fromkeys(pr.backend for pr in plan):
+            mine = [pr for pr in plan if pr.backend == backend]
+            results += await run_backend(backend, mine, args, model, tokenizer, info, repeat)
     return results
 
 
@@ -405,12 +412,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     a("--max-concurrency", type=int, nargs="*", help="one value, or several for a sweep")
     a("--seed", type=int, default=0)
+    a(
+        "--repeats",
+        type=int,
+        help="run the plan this many times (seed + k, fresh servers) and report medians "
+        "(default: 3 with --suite, else 1)",
+    )
     a("--warmup-requests", type=int, default=2)
     a("--output-dir", default="bench_results")
     a("--result-file", default="bench_results/serving.jsonl")
     a("--no-plots", action="store_true")
     a("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.suite else 1
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,12 +15,11 @@ from router.bench_report import (
     REFERENCE,
     RequestResult,
     RunResult,
-    Target,
-    check_targets,
     comparison_table,
     compute_metrics,
 )
 from router.bench_serving import Endpoint, bench_run, load_tokenizer, main
+from router.bench_summary import Target, check_targets, median_over_repeats
 from router.bench_workloads import PromptFactory, WorkloadSpec, build_sessions
 
 pytestmark = pytest.mark.slow
@@ -117,13 +116,12 @@ def test_sdk_transport_and_poisson_arrivals(endpoint, tokenizer):
     assert [r.output_ids for r in http.requests] == [r.output_ids for r in run.requests]
 
 
-def test_cli_writes_a_jsonl_line(tiny_server, tiny_model, tmp_path, capsys):
-    out = tmp_path / "serving.jsonl"
-    argv = [
+def _cli_argv(url: str, model: str, out, tmp_path) -> list[str]:
+    return [
         "--base-url",
-        tiny_server.url,
+        url,
         "--model-path",
-        tiny_model,
+        model,
         "--workload",
         "repeat",
         "--repeat-len",
@@ -141,13 +139,36 @@ def test_cli_writes_a_jsonl_line(tiny_server, tiny_model, tmp_path, capsys):
         "--warmup-requests",
         "1",
     ]
-    assert main(argv) == 0
+
+
+def test_cli_writes_a_jsonl_line(tiny_server, tiny_model, tmp_path, capsys):
+    out = tmp_path / "serving.jsonl"
+    assert main(_cli_argv(tiny_server.url, tiny_model, out, tmp_path)) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["backend"] == "radix-mlx" and row["workload"] == "repeat"
     assert row["completed"] == 2 and row["failed"] == 0
     assert row["total_input_tokens"] == 192 and row["total_output_tokens"] == 6
     assert len(row["ttfts_ms"]) == 2
     assert "Successful requests:" in capsys.readouterr().out
+
+
+def test_cli_repeats_send_other_prompts(tiny_server, tiny_model, tmp_path, capsys):
+    """Each repeat draws its prompts from another seed: on the same server the second
+    repeat's cold request is not a cache hit of the first's."""
+    out = tmp_path / "serving.jsonl"
+    assert (
+        main(
+            _cli_argv(tiny_server.url, tiny_model, out, tmp_path)
+            + ["--repeats", "2", "--seed", "1000"]
+        )
+        == 0
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["repeat"] for r in rows] == [0, 1]
+    for row in rows:  # the cold request misses, the warm one hits all but its last token
+        assert row["cached_share"] == pytest.approx(95 / 192)
+    printed = capsys.readouterr().out
+    assert "=== repeat 2 of 2" in printed and "median of 2 repeats" in printed
 
 
 def test_prompts_are_identical_as_ids_and_as_text(tokenizer):
@@ -169,6 +190,25 @@ def _fake_run(backend: str, ttft: float, out_len: int, duration: float) -> RunRe
     ]
     spec = WorkloadSpec("random", dict(num_prompts=4))
     return RunResult(backend, "http", spec, 8, math.inf, duration, reqs)
+
+
+def test_targets_take_the_median_of_each_repeats_ratio():
+    """Ratios are taken within a repeat (both backends minutes apart), then the median: here
+    2.0, 3.0 and 2.6. The ratio of the median throughputs (150 / 50) would say 3.0."""
+    results = []
+    for repeat, (ours, theirs) in enumerate([(1.0, 2.0), (2 / 3, 2.0), (1.0, 2.6)]):
+        for run in (_fake_run("radix-mlx", 0.1, 20, ours), _fake_run(REFERENCE, 0.1, 20, theirs)):
+            run.repeat = repeat
+            results.append((run, compute_metrics(run)))
+    tput = ("radix-mlx", "output_throughput"), (REFERENCE, "output_throughput")
+    (line,) = check_targets(results, [Target("tput", "random", 8, *tput, ">=", 2.5)])
+    assert "met" in line and ": 2.600 " in line and "repeats: 2.000, 3.000, 2.600" in line
+    summary = median_over_repeats(results)
+    assert len(summary) == 2
+    run, m = summary[0]
+    assert run.backend == "radix-mlx" and len(run.requests) == 12  # pooled over 3 repeats
+    assert m["output_throughput"] == pytest.approx(80.0)  # median of 80, 120, 80
+    assert m["completed"] == 4
 
 
 def test_comparison_ratios_and_targets():

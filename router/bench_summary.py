@@ -1,0 +1,175 @@
+"""The end of a benchmark run: medians over repeats, the comparison, the issue's targets.
+
+On this 2-core VM one run of a load moves by 20-40% from one minute to the next (other
+tenants, CPU frequency), in both backends' figures. So the suite runs its plan
+`--repeats` times (3 by default, each with fresh servers and another seed, every backend
+in turn), takes each target's ratio within each repeat, where both backends ran minutes
+apart, and checks the median of those ratios. The issue's own orientation figures are
+medians of 3 seeds too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.bench_report import REFERENCE, RunResult, comparison_table, metric, save_plots
+
+
+@dataclass
+class Target:
+    """An issue target: value(num) / value(den) `op` bound, on one load."""
+
+    label: str
+    workload: str
+    concurrency: int | None
+    num: tuple[str, str]  # (backend, metric)
+    den: tuple[str, str]
+    op: str  # ">=" or "<="
+    bound: float
+
+
+def report(results: list[tuple[RunResult, dict]], args) -> int:
+    """Comparison, targets, plots; exit status 1 if any request failed."""
+    summary = median_over_repeats(results)
+    repeats = len({run.repeat for run, _ in results})
+    medians = f" (each figure the median of {repeats} repeats)" if repeats > 1 else ""
+    print(f"\ncomparison{medians}:\n" + comparison_table(summary))
+    if args.suite == "standard":
+        print("\nissue targets (radix-mlx, small model; the median of the repeats' ratios):")
+        print("\n".join(check_targets(results, STANDARD_TARGETS)))
+    if not args.no_plots:
+        for path in save_plots(summary, Path(args.output_dir)):
+            print(f"plot: {path}")
+    failed = sum(m["failed"] for _, m in results)
+    if failed:
+        print(f"\n{failed} request(s) failed; see the tables above", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def check_targets(results: list[tuple[RunResult, dict]], targets: list[Target]) -> list[str]:
+    """One line per target: the median over repeats of its ratio, and each repeat's."""
+    lines = []
+    for t in targets:
+        ratios = [r for rep in _repeats(results) if (r := _ratio(results, t, rep)) is not None]
+        if not ratios:
+            lines.append(f"  [ n/a ] {t.label}: a run is missing")
+            continue
+        value = statistics.median(ratios)
+        ok = value >= t.bound if t.op == ">=" else value <= t.bound
+        each = f"; repeats: {', '.join(f'{r:.3f}' for r in ratios)}" if len(ratios) > 1 else ""
+        lines.append(
+            f"  [{'met' if ok else 'MISS':^5}] {t.label}: {value:.3f} ({t.op} {t.bound}{each})"
+        )
+    return lines
+
+
+def _repeats(results: list[tuple[RunResult, dict]]) -> list[int]:
+    return sorted({run.repeat for run, _ in results})
+
+
+def _ratio(results: list[tuple[RunResult, dict]], t: Target, repeat: int) -> float | None:
+    found = {
+        run.backend: m
+        for run, m in results
+        if run.repeat == repeat
+        and run.workload.name == t.workload
+        and run.max_concurrency == t.concurrency
+    }
+    try:
+        return metric(found[t.num[0]], t.num[1]) / metric(found[t.den[0]], t.den[1])
+    except (KeyError, ZeroDivisionError):
+        return None
+
+
+def median_over_repeats(results: list[tuple[RunResult, dict]]) -> list[tuple[RunResult, dict]]:
+    """One (run, metrics) per backend and load: every repeat's requests pooled (for the
+    TTFT plots) and each number the median over the repeats."""
+    groups: dict[tuple[str, str], list[tuple[RunResult, dict]]] = defaultdict(list)
+    for run, m in results:
+        groups[(run.backend, run.load_key())].append((run, m))
+    out = []
+    for pairs in groups.values():
+        runs = [run for run, _ in pairs]
+        pooled = [r for run in runs for r in run.requests]
+        run = dataclasses.replace(runs[0], requests=pooled)
+        out.append((run, _median(m for _, m in pairs)))
+    return out
+
+
+def _median(metrics) -> dict[str, Any]:
+    """Numbers by their median, nested dicts key by key, anything else from the first."""
+    metrics = list(metrics)
+    out = {}
+    for key, first in metrics[0].items():
+        values = [m.get(key) for m in metrics]
+        if isinstance(first, dict):
+            out[key] = _median(v for v in values if isinstance(v, dict))
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+        else:
+            out[key] = first
+    return out
+
+
+STANDARD_TARGETS = [
+    Target(
+        "shared-prefix c8 output tok/s ÷ mlx-lm",
+        "generated-shared-prefix",
+        8,
+        ("radix-mlx", "output_throughput"),
+        (REFERENCE, "output_throughput"),
+        ">=",
+        2.5,
+    ),
+    Target(
+        "shared-prefix c8 TTFT p50 ÷ mlx-lm",
+        "generated-shared-prefix",
+        8,
+        ("radix-mlx", "median_ttft_ms"),
+        (REFERENCE, "median_ttft_ms"),
+        "<=",
+        0.3,
+    ),
+    Target(
+        "multi-turn c8 TTFT p50 ÷ mlx-lm",
+        "multi-turn",
+        8,
+        ("radix-mlx", "median_ttft_ms"),
+        (REFERENCE, "median_ttft_ms"),
+        "<=",
+        0.5,
+    ),
+    Target(
+        "repeat warm TTFT ÷ mlx-lm warm TTFT",
+        "repeat",
+        1,
+        ("radix-mlx", "ttft_warm"),
+        (REFERENCE, "ttft_warm"),
+        "<=",
+        0.5,
+    ),
+    Target(
+        "repeat warm TTFT ÷ own cold TTFT",
+        "repeat",
+        1,
+        ("radix-mlx", "ttft_warm"),
+        ("radix-mlx", "ttft_cold"),
+        "<=",
+        0.02,
+    ),
+    Target(
+        "random c8 output tok/s ÷ mlx-lm",
+        "random",
+        8,
+        ("radix-mlx", "output_throughput"),
+        (REFERENCE, "output_throughput"),
+        ">=",
+        1.2,
+    ),
+]
