@@ -28,10 +28,10 @@ def test_table_grows_past_its_first_size():
     rope = TableRoPE(nn.RoPE(64))
     x = mx.random.normal((1, 2, 8, 64), key=mx.random.key(4))
     rope(x, 0)
-    assert len(rope._cos) == cpu_rope.INITIAL_POSITIONS
+    assert len(rope._table.cos) == cpu_rope.INITIAL_POSITIONS
     far = cpu_rope.INITIAL_POSITIONS * 3 + 5
     got = rope(x, mx.array([far], dtype=mx.int32))
-    assert len(rope._cos) == cpu_rope.INITIAL_POSITIONS * 4
+    assert len(rope._table.cos) == cpu_rope.INITIAL_POSITIONS * 4
     assert mx.array_equal(got, _stock(x, 64, 10000.0, 1.0, mx.array([far]))).item()
 
 
@@ -42,10 +42,10 @@ def test_compiled_and_single_token_calls_take_the_stock_op():
     offset = mx.array([3, 9], dtype=mx.int32)
     compiled = mx.compile(lambda x, o: rope(x, o))
     assert mx.array_equal(compiled(x, offset), _stock(x, 64, 10000.0, 1.0, offset)).item()
-    assert len(rope._cos) == 0
+    assert len(rope._table.cos) == 0
     one = x[:, :, :1]
     assert mx.array_equal(rope(one, 7), _stock(one, 64, 10000.0, 1.0, 7)).item()
-    assert len(rope._cos) == 0
+    assert len(rope._table.cos) == 0
 
 
 def test_install_swaps_every_rope_and_uninstall_restores(tiny_llama):
@@ -54,7 +54,9 @@ def test_install_swaps_every_rope_and_uninstall_restores(tiny_llama):
     uninstall = cpu_kernels.install(model)
     assert uninstall is not None
     try:
-        assert all(isinstance(layer.self_attn.rope, TableRoPE) for layer in model.model.layers)
+        ropes = [layer.self_attn.rope for layer in model.model.layers]
+        assert all(isinstance(r, TableRoPE) for r in ropes)
+        assert len({id(r._table) for r in ropes}) == 1  # one table for the model
     finally:
         uninstall()
     assert [layer.self_attn.rope for layer in model.model.layers] == before

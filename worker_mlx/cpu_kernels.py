@@ -94,9 +94,14 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis, in float32."""
-    s = scores.astype(mx.float32)
-    e = fast_exp(s - _row_reduce(s, mx.max))
-    return e / _row_reduce(e, mx.sum)
+    exps, sums = _exps_and_sums(scores.astype(mx.float32))
+    return exps / sums
+
+
+def _exps_and_sums(s: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(s - row max) and its row sums, on the graph."""
+    exps = fast_exp(s - _row_reduce(s, mx.max))
+    return exps, _row_reduce(exps, mx.sum)
 
 
 def _row_reduce(x: mx.array, op: Callable) -> mx.array:
@@ -122,9 +127,8 @@ def host_exp(scores: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.arra
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.float32)  # numpy has no bfloat16
     if not _evaluated(scores, *([] if mask is None else [mask])):
-        s = _masked(scores, mask)
-        exps = fast_exp(s - _row_reduce(s, mx.max))
-        return exps, 1.0 / _row_reduce(exps, mx.sum)
+        exps, sums = _exps_and_sums(_masked(scores, mask))
+        return exps, 1.0 / sums
     s = np.asarray(memoryview(scores))  # a writable view of the buffer, no copy
     if mask is not None:
         m = np.asarray(memoryview(mask))

@@ -18,17 +18,47 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-# Positions the table holds at first; it doubles when a call needs more.
+# Positions a table holds at first; it doubles when a call needs more.
 INITIAL_POSITIONS = 4096
 
 
-class TableRoPE(nn.Module):
-    """nn.RoPE (non-traditional) with a growing table of cos/sin rows by position."""
+class AngleTable:
+    """cos and sin of every (position, frequency) for one RoPE setting, shared by the
+    layers that use it (one table per model, not per layer: at 128k positions and head
+    dim 128 it is 64 MiB)."""
 
-    def __init__(self, rope: nn.RoPE):
+    def __init__(self, dims: int, base: float, scale: float):
+        self.dims, self.base, self.scale = dims, base, scale
+        self.cos = self.sin = mx.zeros((0, dims // 2))
+
+    def lookup(self, positions: mx.array, last: int) -> tuple[mx.array, mx.array]:
+        """cos and sin rows of `positions` (any shape), all below `last`."""
+        self._grow(last)
+        return self.cos[positions], self.sin[positions]
+
+    def _grow(self, positions: int) -> None:
+        """Rows for positions [0, positions), computed as MLX's fallback computes them:
+        position (a float32) times scale, times exp(-i * log(base) / half)."""
+        n = len(self.cos)
+        if positions <= n:
+            return
+        n = max(INITIAL_POSITIONS, n)
+        while n < positions:
+            n *= 2
+        half = self.dims // 2
+        inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * _log_ratio(self.base, half))
+        theta = (mx.arange(n, dtype=mx.float32) * self.scale)[:, None] * inv_freqs
+        self.cos, self.sin = mx.cos(theta), mx.sin(theta)
+        mx.eval(self.cos, self.sin)
+
+
+class TableRoPE(nn.Module):
+    """nn.RoPE (non-traditional) whose angles come from an AngleTable."""
+
+    def __init__(self, rope: nn.RoPE, table: AngleTable | None = None):
         super().__init__()
         self.dims, self.base, self.scale = rope.dims, rope.base, rope.scale
-        self._cos = self._sin = mx.zeros((0, rope.dims // 2))
+        self._table = table or AngleTable(rope.dims, rope.base, rope.scale)
 
     def _stock(self, x: mx.array, offset) -> mx.array:
         return mx.fast.rope(
@@ -49,29 +79,14 @@ class TableRoPE(nn.Module):
         else:
             last = offset + T
             positions = mx.arange(offset, offset + T)
-        self._grow(last)
-        cos, sin = self._cos[positions].astype(x.dtype), self._sin[positions].astype(x.dtype)
+        cos, sin = self._table.lookup(positions, last)
+        cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
         half = self.dims // 2
         x1, x2 = x[..., :half], x[..., half : self.dims]
         parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
         if self.dims < x.shape[-1]:
             parts.append(x[..., self.dims :])
         return mx.concatenate(parts, axis=-1)
-
-    def _grow(self, positions: int) -> None:
-        """Rows for positions [0, positions), computed as MLX's fallback computes them:
-        position (a float32) times scale, times exp(-i * log(base) / half)."""
-        n = len(self._cos)
-        if positions <= n:
-            return
-        n = max(INITIAL_POSITIONS, n)
-        while n < positions:
-            n *= 2
-        half = self.dims // 2
-        inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * _log_ratio(self.base, half))
-        theta = (mx.arange(n, dtype=mx.float32) * self.scale)[:, None] * inv_freqs
-        self._cos, self._sin = mx.cos(theta), mx.sin(theta)
-        mx.eval(self._cos, self._sin)
 
 
 def _log_ratio(base: float, half: int) -> mx.array:
@@ -87,8 +102,11 @@ def install(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
         for name, child in parent.children().items():
             if type(child) is nn.RoPE and not child.traditional:
                 swaps.append((parent, name, child))
+    tables: dict[tuple, AngleTable] = {}
     for parent, name, child in swaps:
-        setattr(parent, name, TableRoPE(child))
+        key = (child.dims, child.base, child.scale)
+        table = tables.setdefault(key, AngleTable(*key))
+        setattr(parent, name, TableRoPE(child, table))
     return swaps
 
 
