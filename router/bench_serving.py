@@ -415,8 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a(
         "--repeats",
         type=int,
-        help="run the plan this many times (seed + k, fresh servers) and report medians "
-        "(default: 3 with --suite, else 1)",
+        help="run the plan this many times (seed + k; fresh servers unless --base-url) and "
+        "report medians (default: 3 with --suite, else 1)",
     )
     a("--warmup-requests", type=int, default=2)
     a("--output-dir", default="bench_results")
