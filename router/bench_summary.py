@@ -2,9 +2,9 @@
 
 On this 2-core VM one run of a load moves by 20-40% from one minute to the next, in both
 backends' figures. So the suite runs its plan `--repeats` times (3 by default, each with
-fresh servers and another seed, every backend in turn), takes each target's ratio within each repeat, where both backends ran minutes
-apart, and checks the median of those ratios. The issue's own orientation figures are
-medians of 3 seeds too.
+fresh servers and another seed, every backend in turn), takes each target's ratio within
+each repeat, where both backends ran minutes apart, and checks the median of those ratios.
+The issue's own orientation figures are medians of 3 seeds too.
 """
 
 from __future__ import annotations
