@@ -322,6 +322,45 @@ def test_joining_requests_take_dead_rows(model_path, compile_decode):
         assert h.out[rid] == reference(h.path, prompt, len(h.out[rid])), rid
 
 
+def test_steady_traffic_keeps_the_decode_buffer_narrow(tiny_model, monkeypatch):
+    """One request in, one out, for many steps: the buffer lives on (joiners take dead
+    rows), and the left padding every row shares is shifted out instead of growing with
+    each step (without that, `idx` would pass 150 here). Outputs equal mlx-lm's."""
+    from worker_mlx.batch_cache import DecodePlan
+
+    monkeypatch.setattr(DecodePlan, "COMPACT_COLUMNS", 16)
+    h = Harness(tiny_model)
+    rng = random.Random(8)
+    prompts, limits = {}, {}
+
+    def start(rid: str, n_new: int) -> None:
+        prompts[rid] = random_prompt(rng, rng.randint(5, 20), h.vocab)
+        limits[rid] = n_new
+        h.extend([h.ereq(rid, prompts[rid], sampling=greedy(n_new))])
+
+    for i, n in enumerate((6, 9, 12)):
+        start(f"r{i}", n)
+    h.decode()
+    seen, shifted, started = [], 0, 3
+    for _ in range(150):
+        done = [rid for rid in h.running if len(h.out[rid]) >= limits[rid]]
+        if done:
+            h.release([ReleaseReq(rid, flush=True) for rid in done])
+            for rid in done:
+                h.free(rid)
+                start(f"r{started}", rng.randint(6, 12))
+                started += 1
+        h.decode()
+        plan = h.runner.decode_plan
+        if seen and seen[-1][0] is plan and plan.idx < seen[-1][1]:
+            shifted += 1  # the same buffer, narrower: shifted at a reseat
+        seen.append((plan, plan.idx))
+    assert shifted >= 5
+    assert max(idx for _, idx in seen) <= 20 + 12 + 16  # longest context + the threshold
+    for rid, prompt in prompts.items():
+        assert h.out[rid] == reference(h.path, prompt, len(h.out[rid])), rid
+
+
 # ---------------------------------------------------------------- 3. cached prefixes
 
 

@@ -91,6 +91,8 @@ class DecodePlan:
     rebuild of every row from the pool."""
 
     GROW_STEP = 256
+    # Columns of left padding shared by every live row past which a reseat shifts them out.
+    COMPACT_COLUMNS = 128
 
     def __init__(
         self, pool: MlxKVPool, rids: list[str], slots: list[list[int]], free_columns: int = 1
@@ -148,8 +150,28 @@ class DecodePlan:
         for row, (rid, s) in zip(free, joining):
             self.rids[row] = rid
             self.left_pad[row] = self.idx - len(s)
+        self._compact()
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
         return True
+
+    def _compact(self) -> None:
+        """Shift out the columns that are left padding in every live row. Joining requests
+        take the columns just before `idx`, which only grows, so a buffer that lives
+        across joins (steady traffic never empties it) would otherwise keep the columns
+        of long-gone requests: every step attends over them and the capacity keeps
+        doubling. Costs one copy of the buffer; needs no unflushed columns."""
+        shift = min(
+            (pad for pad, rid in zip(self.left_pad, self.rids) if rid is not None), default=0
+        )
+        if shift < self.COMPACT_COLUMNS:
+            return
+        width = self.idx - shift
+        cap = _round_up(width + 1, self.GROW_STEP)
+        for i in range(len(self.keys)):
+            self.keys[i] = _shifted(self.keys[i], shift, width, cap)
+            self.values[i] = _shifted(self.values[i], shift, width, cap)
+        self.idx = self.flushed = width
+        self.left_pad = [max(pad - shift, 0) for pad in self.left_pad]  # dead rows: any
 
     def rewind(self, rid: str, length: int) -> None:
         """Seat `rid` on the single row, whose first `length` tokens are already its KV
@@ -257,6 +279,13 @@ class DecodeLayerCache:
         plan.keys[self.layer][:, :, i : i + 1, :] = keys
         plan.values[self.layer][:, :, i : i + 1, :] = values
         return plan.keys[self.layer][:, :, : i + 1, :], plan.values[self.layer][:, :, : i + 1, :]
+
+
+def _shifted(buffer: mx.array, start: int, width: int, cap: int) -> mx.array:
+    """Columns [start, start + width) of `buffer`, zero-padded to `cap` columns."""
+    B, H, _, D = buffer.shape
+    pad = mx.zeros((B, H, cap - width, D), dtype=buffer.dtype)
+    return mx.concatenate([buffer[:, :, start : start + width], pad], axis=2)
 
 
 def _round_up(n: int, step: int) -> int:
