@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -29,14 +28,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import httpx
-
 from common.blas import OPENBLAS_PATHS
 from common.ipc import free_ports
 from common.server_process import ServerProcess
 from router.bench_report import (
     CpuMeter,
-    RequestResult,
     RunResult,
     append_jsonl,
     compute_metrics,
@@ -45,11 +41,10 @@ from router.bench_report import (
     jsonl_row,
 )
 from router.bench_summary import report
+from router.bench_transports import HttpSender, SdkSender
 from router.bench_workloads import (
     WORKLOADS,
-    Clock,
     Progress,
-    Prompt,
     PromptFactory,
     WorkloadSpec,
     build_sessions,
@@ -128,95 +123,7 @@ class ManagedServer(ServerProcess):
         return code
 
 
-# --------------------------------------------------------------------------- transports
-
-
-class HttpSender:
-    """POST /v1/completions with SSE; text prompts for servers that only take text."""
-
-    def __init__(self, url: str, text_prompts: bool, connections: int):
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        timeout = httpx.Timeout(1800, connect=30)
-        self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout)
-        self.text_prompts = text_prompts
-
-    async def send(self, prompt: Prompt, out_len: int, res: RequestResult, clock: Clock) -> None:
-        body = {
-            "prompt": prompt.text if self.text_prompts else prompt.ids,
-            "max_tokens": out_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {text[:300]}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators and mlx_lm.server's ": keepalive" comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                self._event(json.loads(data), res, clock)
-        res.error = res.error or "stream ended without [DONE]"
-
-    @staticmethod
-    def _event(ev: dict, res: RequestResult, clock: Clock) -> None:
-        if "error" in ev:
-            res.error = str(ev["error"])[:300]
-        for choice in ev.get("choices") or []:
-            ids = choice.get("token_ids")
-            text = choice.get("text") or ""
-            res.output_text += text
-            if ids is not None:
-                res.output_ids += ids
-                res.streamed_tokens = (res.streamed_tokens or 0) + len(ids)
-            n = len(ids) if ids is not None else int(bool(text))  # text-only: 1 per chunk
-            if n:
-                clock.tokens(res, n)
-        if ev.get("usage"):
-            _usage(
-                res,
-                ev["usage"]["prompt_tokens"],
-                ev["usage"]["completion_tokens"],
-                (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-            )
-
-    async def close(self) -> None:
-        await self.client.aclose()
-
-
-class SdkSender:
-    """radix-mlx's ZMQ SDK: token ids in, token ids out, one shared connection."""
-
-    def __init__(self, address: str):
-        from router.client import AsyncClient
-
-        self.client = AsyncClient(address, timeout=1800)
-
-    async def send(self, prompt: Prompt, out_len: int, res: RequestResult, clock: Clock) -> None:
-        usage = None
-        async for chunk in self.client.stream(
-            input_ids=prompt.ids, max_new_tokens=out_len, temperature=0, ignore_eos=True
-        ):
-            if chunk.token_ids:
-                clock.tokens(res, len(chunk.token_ids))
-                res.output_ids += chunk.token_ids
-                res.streamed_tokens = (res.streamed_tokens or 0) + len(chunk.token_ids)
-            res.output_text += chunk.text
-            usage = chunk.usage
-        if usage is not None:
-            _usage(res, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-def _usage(res: RequestResult, prompt: int, completion: int, cached: int | None) -> None:
-    res.reported_prompt_len, res.output_len, res.cached_tokens = prompt, completion, cached or 0
+# --------------------------------------------------------------------------- runs
 
 
 def make_sender(ep: Endpoint, transport: str, connections: int):
