@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bench_report import REFERENCE, RunResult, comparison_table, metric, save_plots
+from router.bench_plots import save_plots
+from router.bench_report import REFERENCE, RunResult, comparison_table, metric
 
 
 @dataclass

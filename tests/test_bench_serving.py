@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from router.bench_plots import save_plots
 from router.bench_report import (
     REFERENCE,
     RequestResult,
@@ -227,3 +228,16 @@ def test_comparison_ratios_and_targets():
     )
     assert "MISS" in lines[0] and "2.000" in lines[0]
     assert "met" in lines[1] and "0.250" in lines[1]
+
+
+def test_plots_are_written(tmp_path):
+    """A concurrency sweep gives the throughput plot; every run feeds the TTFT plot."""
+    results = []
+    for conc in (1, 4, 8):
+        run = _fake_run("radix-mlx", 0.05 * conc, 20, 1.0 / conc)
+        run.max_concurrency = conc
+        results.append((run, compute_metrics(run)))
+    paths = save_plots(results, tmp_path)
+    assert [p.name for p in paths] == ["throughput_vs_concurrency.png", "ttft_distribution.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
