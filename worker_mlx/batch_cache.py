@@ -166,10 +166,7 @@ class DecodePlan:
         if shift < self.COMPACT_COLUMNS:
             return
         width = self.idx - shift
-        cap = _round_up(width + 1, self.GROW_STEP)
-        for i in range(len(self.keys)):
-            self.keys[i] = _shifted(self.keys[i], shift, width, cap)
-            self.values[i] = _shifted(self.values[i], shift, width, cap)
+        self._recolumn(shift, width, _round_up(width + 1, self.GROW_STEP))
         self.idx = self.flushed = width
         self.left_pad = [max(pad - shift, 0) for pad in self.left_pad]  # dead rows: any
 
@@ -230,11 +227,16 @@ class DecodePlan:
     def _make_room(self) -> None:
         """Double the capacity when column `idx` is past it; the only concatenation,
         amortised over many steps."""
-        if self.idx < self.keys[0].shape[2]:
+        cap = self.keys[0].shape[2]
+        if self.idx < cap:
             return
+        self._recolumn(0, cap, 2 * cap)
+
+    def _recolumn(self, start: int, width: int, cap: int) -> None:
+        """Every buffer becomes its columns [start, start + width), zero-padded to `cap`."""
         for i in range(len(self.keys)):
-            self.keys[i] = mx.concatenate([self.keys[i], mx.zeros_like(self.keys[i])], axis=2)
-            self.values[i] = mx.concatenate([self.values[i], mx.zeros_like(self.values[i])], axis=2)
+            self.keys[i] = _shifted(self.keys[i], start, width, cap)
+            self.values[i] = _shifted(self.values[i], start, width, cap)
 
     def pending(self) -> int:
         """Decode tokens per row that are only in the buffer, not yet in the pool."""
