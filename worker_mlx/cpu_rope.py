@@ -57,14 +57,11 @@ class TableRoPE(nn.Module):
 
     def __init__(self, rope: nn.RoPE, table: AngleTable | None = None):
         super().__init__()
-        self.dims, self.base, self.scale = rope.dims, rope.base, rope.scale
         self._table = table or AngleTable(rope.dims, rope.base, rope.scale)
 
     def _stock(self, x: mx.array, offset) -> mx.array:
-        return mx.fast.rope(
-            x, self.dims, traditional=False, base=self.base, scale=self.scale,
-            offset=offset,
-        )  # fmt: skip
+        t = self._table
+        return mx.fast.rope(x, t.dims, traditional=False, base=t.base, scale=t.scale, offset=offset)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         T = x.shape[-2]
@@ -81,11 +78,11 @@ class TableRoPE(nn.Module):
             positions = mx.arange(offset, offset + T)
         cos, sin = self._table.lookup(positions, last)
         cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
-        half = self.dims // 2
-        x1, x2 = x[..., :half], x[..., half : self.dims]
+        dims = self._table.dims
+        x1, x2 = x[..., : dims // 2], x[..., dims // 2 : dims]
         parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
-        if self.dims < x.shape[-1]:
-            parts.append(x[..., self.dims :])
+        if dims < x.shape[-1]:
+            parts.append(x[..., dims:])
         return mx.concatenate(parts, axis=-1)
 
 
