@@ -37,7 +37,7 @@ class Target:
 def report(results: list[tuple[RunResult, dict]], args) -> int:
     """Comparison, targets, plots; exit status 1 if any request failed."""
     summary = median_over_repeats(results)
-    repeats = len({run.repeat for run, _ in results})
+    repeats = len(_repeats(results))
     medians = f" (each figure the median of {repeats} repeats)" if repeats > 1 else ""
     print(f"\ncomparison{medians}:\n" + comparison_table(summary))
     if args.suite == "standard":
