@@ -24,7 +24,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # 0 is off too, as in mlx-lm (its default) and vLLM
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -41,7 +41,7 @@ class SamplingParams:
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (self.top_k >= -1, "top_k must be >= 1, or 0 or -1 for off"),
             (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (
                 _finite(self.repetition_penalty) and self.repetition_penalty > 0,

@@ -224,7 +224,7 @@ def test_malformed_bodies_get_openai_errors(server):
         (comp, {"prompt": "hi", "max_tokens": 0}, 400, "max_new_tokens must be >= 1"),
         (comp, {"prompt": "hi", "temperature": -0.5}, 400, "temperature must be >= 0"),
         (comp, {"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
-        (comp, {"prompt": "hi", "top_k": 0}, 400, "top_k must be -1 (off) or >= 1"),
+        (comp, {"prompt": "hi", "top_k": -2}, 400, "top_k must be >= 1, or 0 or -1 for off"),
         (comp, {"prompt": "hi", "min_p": 2}, 400, "min_p must be in [0, 1]"),
         (comp, {"prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
         (comp, {"prompt": "hi", "presence_penalty": -3}, 400, "presence_penalty"),

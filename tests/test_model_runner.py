@@ -9,6 +9,7 @@ the point, the pool rows are compared with the KV mlx-lm computes for the same t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -741,6 +742,9 @@ def test_seeded_sampling_is_reproducible(tiny_model):
     assert again == alone
     other_seed = generate(Harness(tiny_model, seed=0), {"s": p}, 10, {"s": seeded(4321)})["s"]
     assert other_seed != alone
+    # top_k 0 is off, as in mlx-lm and vLLM: the same tokens as the default -1
+    no_top_k = dataclasses.replace(seeded(1234), top_k=0)
+    assert generate(Harness(tiny_model, seed=0), {"s": p}, 10, {"s": no_top_k})["s"] == alone
 
 
 # ---------------------------------------------------------------- 9. bad descriptors
