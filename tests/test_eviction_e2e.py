@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
@@ -57,6 +57,81 @@ def test_small_pool_evicts_retracts_and_matches_mlx_lm(tiny_model, tmp_path):
         assert _metric(metrics, "radix_mlx_kv_pool_capacity_tokens") == 256
         log = server.log()
         assert "Retract request" in log
+        assert "Traceback" not in log and "two owners" not in log and "slots lost" not in log
+    finally:
+        assert server.stop() == 0
+
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 0, "min_p": 0.02, "frequency_penalty": 0.5}
+BAD = [
+    ({"max_tokens": -3}, "max_new_tokens must be >= 1"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_k": -2}, "top_k must be"),
+    ({"max_tokens": 10**6}, "maximum context length"),
+]
+
+
+def _mixed_request(i: int, rng: random.Random, shared: list[int]) -> dict:
+    """Request i of the mixed load: greedy, seeded sampling with penalties and logprobs,
+    a stream its client drops after two chunks, or a bad request (one kind each)."""
+    tail = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 30))]
+    body = {"prompt": shared + tail if i % 3 else tail, "max_tokens": rng.randrange(8, 40)}
+    body["ignore_eos"] = True
+    kind = ("greedy", "sampled", "dropped", "bad")[i % 4]
+    if kind == "greedy":
+        body["temperature"] = 0
+    elif kind == "sampled":
+        body.update(SAMPLED, seed=i, logprobs=2)
+    elif kind == "dropped":
+        body.update(stream=True, temperature=0)
+    else:
+        body.update(BAD[i // 4 % len(BAD)][0])
+    return {"kind": kind, "body": body, "i": i}
+
+
+def _send(url: str, req: dict):
+    """The token ids (greedy, sampled), the error message (bad), or None (dropped)."""
+    if req["kind"] == "dropped":
+        with httpx.stream("POST", url + "/v1/completions", json=req["body"], timeout=300) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 2:
+                    return None  # leaving the block closes the connection mid-stream
+        raise AssertionError("stream ended before the client dropped it")
+    r = httpx.post(url + "/v1/completions", json=req["body"], timeout=300)
+    if req["kind"] == "bad":
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_mixed_traffic_with_drops_and_errors_loses_nothing(tiny_model, tmp_path):
+    """Greedy, seeded-sampled, dropped and malformed requests interleaved on a pool that
+    must evict and retract: greedy stays exact, a seeded request samples what it samples
+    alone, bad ones get their message, and the dropped ones leave no slot behind."""
+    server = ServerProcess(
+        tiny_model, tmp_path / "log", extra=["--max-total-tokens", "256", "--debug-invariants"]
+    )
+    server.start()
+    try:
+        rng = random.Random(5)
+        shared = [rng.randrange(3, 512) for _ in range(40)]
+        load = [_mixed_request(i, rng, shared) for i in range(48)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda r: _send(server.url, r), load))
+        for req, got in zip(load, results):
+            body = req["body"]
+            if req["kind"] == "greedy":
+                assert got == mlx_greedy(tiny_model, body["prompt"], body["max_tokens"])
+            elif req["kind"] == "sampled":
+                assert len(got) == body["max_tokens"]
+                assert _send(server.url, req) == got, "seeded sampling depends on its batch"
+            elif req["kind"] == "bad":
+                assert BAD[req["i"] // 4 % len(BAD)][1] in got
+        metrics = _wait_idle(server)
+        assert _metric(metrics, "radix_mlx_evicted_tokens_total") > 0
+        assert _metric(metrics, 'radix_mlx_requests_total{finish_reason="abort"}') > 0
+        log = server.log()
         assert "Traceback" not in log and "two owners" not in log and "slots lost" not in log
     finally:
         assert server.stop() == 0
