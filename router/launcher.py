@@ -117,6 +117,7 @@ async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dic
             host=args.host,
             port=args.port,
             loop="none",
+            http="httptools",
             log_level="warning",
             lifespan="off",
             timeout_keep_alive=30,
