@@ -25,3 +25,22 @@ def test_rounds_and_scaling_are_reported(tiny_model, tmp_path, capsys):
     assert rows[1]["decode_throughput_vs_first_batch"] == scaling
     assert f"batch size 3 / batch size 1: {scaling:.2f}x" in printed
     assert [json.loads(line)["batch_size"] for line in out.read_text().splitlines()] == [1, 3]
+
+
+def test_mlx_lm_comparison_and_its_own_scaling(tiny_model, tmp_path, capsys):
+    rows = bench_one_batch.main(
+        ["--model-path", tiny_model, "--batch-size", "1", "2", "--input-len", "8"]
+        + ["--output-len", "6", "--compare-mlx-lm", "--result-file", str(tmp_path / "r.jsonl")]
+    )
+    printed = capsys.readouterr().out
+    for r in rows:
+        base = r["mlx_lm_median_decode_latency"]
+        assert base > 0
+        assert r["decode_ratio_vs_mlx_lm"] == r["median_decode_latency"] / base
+        assert f"mlx-lm decode step, batch size {r['batch_size']}: {base:.5f} s" in printed
+    own = (2 / rows[1]["mlx_lm_median_decode_latency"]) / (
+        1 / rows[0]["mlx_lm_median_decode_latency"]
+    )
+    assert rows[1]["mlx_lm_decode_throughput_vs_first_batch"] == own
+    ratio = rows[1]["decode_throughput_vs_first_batch"]
+    assert f"batch size 2 / batch size 1: {ratio:.2f}x (mlx-lm's own: {own:.2f}x)" in printed

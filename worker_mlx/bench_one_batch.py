@@ -251,17 +251,26 @@ def _prompts(bs: int, args: argparse.Namespace) -> list[list[int]]:
 
 def _print_scaling(rows: list[dict]) -> None:
     """Decode throughput of each batch size against the first one's: printed, and kept in
-    its row (`decode_throughput_vs_first_batch`) for the JSONL."""
+    its row (`decode_throughput_vs_first_batch`) for the JSONL; with --compare-mlx-lm,
+    mlx-lm's own ratio beside it (`mlx_lm_decode_throughput_vs_first_batch`), since a
+    faster batch 1 makes the ratio smaller."""
     if len(rows) < 2:
         return
     first = rows[0]
     for row in rows[1:]:
         ratio = row["median_decode_throughput"] / first["median_decode_throughput"]
         row["decode_throughput_vs_first_batch"] = ratio
-        print(
-            f"Decode throughput, batch size {row['batch_size']} / batch size "
-            f"{first['batch_size']}: {ratio:.2f}x"
-        )
+        line = f"Decode throughput, batch size {row['batch_size']} / batch size "
+        line += f"{first['batch_size']}: {ratio:.2f}x"
+        if "mlx_lm_median_decode_latency" in row:
+            own = _mlx_lm_throughput(row) / _mlx_lm_throughput(first)
+            row["mlx_lm_decode_throughput_vs_first_batch"] = own
+            line += f" (mlx-lm's own: {own:.2f}x)"
+        print(line)
+
+
+def _mlx_lm_throughput(row: dict) -> float:
+    return row["batch_size"] / row["mlx_lm_median_decode_latency"]
 
 
 def _preset_model(preset: str):
