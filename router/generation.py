@@ -42,7 +42,7 @@ class Tokenization:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         try:
             prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                text_messages(messages), tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # jinja raises many kinds
             raise RequestError(f"cannot render the chat template: {exc}") from None
@@ -66,6 +66,36 @@ class Tokenization:
                 f"({len(input_ids)} in the prompt, {sampling.max_new_tokens} for the completion).",
                 "context_length_exceeded",
             )
+
+
+def text_messages(messages: list) -> list[dict]:
+    """Chat messages with each content as one string, which is what chat templates expect:
+    OpenAI's list of text parts is joined (as mlx-lm's server does) and a missing content
+    (an assistant turn that only called tools) is empty. Other parts are refused by name."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                _text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)
+            )
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({**message, "content": content})
+    return out
+
+
+def _text_part(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind != "text":
+        raise RequestError(f"{where}: only text content parts are supported, not {kind!r}")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{where}: a text part needs a string 'text'")
+    return part["text"]
 
 
 async def generate_text(

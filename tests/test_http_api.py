@@ -120,6 +120,36 @@ def test_chat_completion_matches_mlx_lm(server, oai, tiny_model, tokenizer):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def _user(content) -> dict:
+    return {"role": "user", "content": content}
+
+
+def test_chat_content_parts_and_empty_content_read_as_text(server, tokenizer):
+    """OpenAI clients may send content as a list of text parts, and an assistant turn
+    that only called tools has no content: both reach the template as plain strings."""
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": " colours."}]
+    history = [_user("hi"), {"role": "assistant", "content": None}]
+    plain = _user("Name three colours.")
+    asked = [[plain], [_user(parts)], history + [_user(parts)]]
+    empty_turn = {"role": "assistant", "content": ""}
+    expected_prompts = [
+        _chat_ids(tokenizer, [plain]),
+        _chat_ids(tokenizer, [plain]),
+        _chat_ids(tokenizer, [_user("hi"), empty_turn, plain]),
+    ]
+    outputs = []
+    for messages, prompt in zip(asked, expected_prompts):
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+        outputs.append(r.json()["choices"][0]["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.slow
 def test_completions_text_and_token_prompts(server, oai, tiny_model, tokenizer):
     text = "The quick brown fox jumps over the lazy dog."
@@ -247,6 +277,10 @@ def test_malformed_bodies_get_openai_errors(server):
         (chat, {"messages": hi, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         (comp, {"prompt": "hi", "logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
         (chat, {"messages": hi, "model": "other"}, 404, "does not exist"),
+        (chat, {"messages": [{"content": "hi"}]}, 400, "with a string 'role'"),
+        (chat, {"messages": [{"role": "user", "content": 5}]}, 400, "a list of text parts"),
+        (chat, {"messages": [_user([{"type": "text"}])]}, 400, "needs a string 'text'"),
+        (chat, {"messages": [_user([_IMAGE])]}, 400, "only text content parts are supported"),
     ]
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for path, body, status, needle in cases:
