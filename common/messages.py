@@ -34,6 +34,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # token id (a decimal string, as in OpenAI's JSON) -> added to its logit, in [-100, 100]
+    logit_bias: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, dict):  # the SDK's int keys as the wire's strings
+            self.logit_bias = {str(k): v for k, v in self.logit_bias.items()}
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first parameter out of range."""
@@ -63,6 +69,21 @@ class SamplingParams:
                 raise ValueError(message)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        self.bias_by_token(vocab_size)
+
+    def bias_by_token(self, vocab_size: int | None = None) -> dict[int, float]:
+        """`logit_bias` with int token ids; ValueError naming the first bad entry."""
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isdecimal() or (vocab_size is not None and int(key) >= vocab_size):
+                vocab = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"
+                raise ValueError(f"logit_bias keys must be token ids in {vocab}, got {key!r}")
+            if type(bias) not in (int, float) or not (_finite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+            out[int(key)] = float(bias)
+        return out
 
     @property
     def penalized(self) -> bool:

@@ -33,6 +33,7 @@ class _Common(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool | None = False
@@ -70,6 +71,7 @@ class _Common(BaseModel):
             ignore_eos=bool(self.ignore_eos),
             logprobs=want_logprobs,
             top_logprobs=top_logprobs,
+            logit_bias=dict(self.logit_bias or {}),
         )
 
 

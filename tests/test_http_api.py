@@ -127,6 +127,17 @@ def _user(content) -> dict:
     return {"role": "user", "content": content}
 
 
+def test_logit_bias_bans_and_favours_tokens(server):
+    body = {"prompt": [5, 17, 99, 230], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    url = server.url + "/v1/completions"
+    plain = httpx.post(url, json=body, timeout=30).json()["choices"][0]["token_ids"]
+    banned = {str(t): -100 for t in plain}
+    biased = httpx.post(url, json=body | {"logit_bias": banned}, timeout=30).json()
+    assert not set(plain) & set(biased["choices"][0]["token_ids"])
+    favoured = httpx.post(url, json=body | {"logit_bias": {"300": 100}}, timeout=30).json()
+    assert favoured["choices"][0]["token_ids"] == [300] * 6
+
+
 def test_chat_content_parts_and_empty_content_read_as_text(server, tokenizer):
     """OpenAI clients may send content as a list of text parts, and an assistant turn
     that only called tools has no content: both reach the template as plain strings."""
@@ -277,6 +288,10 @@ def test_malformed_bodies_get_openai_errors(server):
         (chat, {"messages": hi, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         (comp, {"prompt": "hi", "logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
         (chat, {"messages": hi, "model": "other"}, 404, "does not exist"),
+        (comp, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token"),
+        (comp, {"prompt": "hi", "logit_bias": {"512": 1}}, 400, "token ids in [0, 512)"),
+        (comp, {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias values must be in"),
+        (comp, {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
         (chat, {"messages": [{"content": "hi"}]}, 400, "with a string 'role'"),
         (chat, {"messages": [{"role": "user", "content": 5}]}, 400, "a list of text parts"),
         (chat, {"messages": [_user([{"type": "text"}])]}, 400, "needs a string 'text'"),

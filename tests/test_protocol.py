@@ -604,6 +604,8 @@ def test_sampling_defaults_are_valid():
         {"seed": 0},
         {"seed": 2**63 - 1},
         {"stop_token_ids": [0, 9]},
+        {"logit_bias": {"0": -100, "9": 100.0}},
+        {"logit_bias": {3: 1.5}},
     ],
 )
 def test_sampling_boundaries_are_valid(kwargs):
@@ -623,6 +625,13 @@ NAN, INF = math.nan, math.inf
         ({"top_p": 1.01}, "top_p"),
         ({"top_p": NAN}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"logit_bias": {"10": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {"1": 100.5}}, "logit_bias values"),
+        ({"logit_bias": {"1": NAN}}, "logit_bias values"),
+        ({"logit_bias": {"1": "1"}}, "logit_bias values"),
+        ({"logit_bias": [[1, 2.0]]}, "logit_bias must map"),
         ({"min_p": 1.01}, "min_p"),
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": NAN}, "min_p"),
@@ -686,6 +695,7 @@ sampling_params = st.builds(
     ignore_eos=st.booleans(),
     logprobs=st.booleans(),
     top_logprobs=st.integers(min_value=0, max_value=20),
+    logit_bias=st.dictionaries(st.integers(0, 10**6).map(str), _float(-100, 100), max_size=4),
 )
 generate_reqs = st.builds(GenerateReq, rid=rids, input_ids=token_lists, sampling=sampling_params)
 extend_batches = st.builds(

@@ -80,6 +80,29 @@ def test_penalties_match_reference(tiny_model, rep, freq, pres):
         assert got == _reference_penalized_greedy(tiny_model, prompt, 10, rep, freq, pres)
 
 
+def test_logit_bias_matches_mlx_lm(tiny_model):
+    """A bias that bans each prompt's greedy first token and favours another changes the
+    greedy output exactly as mlx-lm's own logit-bias processor does."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, _ = load_model(tiny_model)
+    banned = {mlx_greedy(tiny_model, p, 1)[0] for p in PROMPTS}
+    bias = {t: -100.0 for t in banned} | {42: 4.0}
+    params = SamplingParams(temperature=0, logit_bias=bias)  # int keys, as SDK users write
+    assert params.logit_bias == {str(t): b for t, b in bias.items()}
+    outs = _generate(_runner(tiny_model), PROMPTS, params, 8)
+    processors = make_logits_processors(logit_bias=bias)
+    for row, prompt in enumerate(PROMPTS):
+        steps = generate_step(
+            mx.array(prompt), model, max_tokens=8, sampler=lambda x: x.argmax(-1),
+            logits_processors=processors,
+        )  # fmt: skip
+        want = [int(tok) for tok, _ in steps]
+        assert [o.next_token_ids[row] for o in outs] == want
+        assert not banned & set(want)
+
+
 def test_penalties_use_cached_context_and_resumed_outputs(tiny_model):
     """With a cached prefix the worker learns the prefix tokens from context_ids."""
     runner = _runner(tiny_model)

@@ -47,6 +47,11 @@ def test_sync_generate_stream_and_chat(tiny_server, tiny_model):
         again = client.generate(input_ids=prompt, max_new_tokens=12, **GREEDY)
         chat = client.chat(messages, max_new_tokens=6, **GREEDY)
         by_text = client.generate("The capital of France is", max_new_tokens=5, **GREEDY)
+        parts = [{"type": "text", "text": m["content"]} for m in messages]
+        chat_parts = client.chat([{"role": "user", "content": parts}], max_new_tokens=6, **GREEDY)
+        favoured = client.generate(
+            input_ids=prompt, max_new_tokens=3, logit_bias={300: 100}, **GREEDY
+        )
     assert res.output_ids == expected
     assert res.text == tokenizer.decode(expected)
     assert res.finish_reason == "length"
@@ -61,6 +66,8 @@ def test_sync_generate_stream_and_chat(tiny_server, tiny_model):
     assert chat.usage.prompt_tokens == len(chat_ids)
     text_ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
     assert by_text.output_ids == mlx_greedy(tiny_model, text_ids, 5)
+    assert chat_parts.output_ids == chat.output_ids
+    assert favoured.output_ids == [300] * 3  # the SDK's int keys work like the API's strings
 
 
 def test_logprobs_through_the_sdk_match_the_http_api(tiny_server):

@@ -54,18 +54,21 @@ def _filter(scaled: mx.array, p: SamplingParams) -> mx.array:
 
 @dataclass
 class Penalty:
-    """Token history of one request for repetition (HF) and frequency/presence (OpenAI)."""
+    """What one request changes in its logits before sampling: the logit bias, then
+    repetition (HF) and frequency/presence (OpenAI) penalties over its token history, in
+    mlx-lm's order."""
 
     repetition: float
     frequency: float
     presence: float
     seen: set[int] = field(default_factory=set)  # prompt and output tokens
     counts: Counter = field(default_factory=Counter)  # output tokens
+    bias: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def for_request(cls, p: SamplingParams, fill_ids: list[int], output_ids: list[int]):
-        """None when the request uses no penalty, so the common case costs nothing."""
-        if not p.penalized:
+        """None when the request changes nothing, so the common case costs nothing."""
+        if not p.penalized and not p.logit_bias:
             return None
         return cls(
             p.repetition_penalty,
@@ -73,6 +76,7 @@ class Penalty:
             p.presence_penalty,
             set(fill_ids),
             Counter(output_ids),
+            p.bias_by_token(),
         )
 
     def observe(self, token: int) -> None:
@@ -80,6 +84,9 @@ class Penalty:
         self.counts[token] += 1
 
     def apply(self, row: mx.array) -> mx.array:
+        if self.bias:
+            idx = mx.array(list(self.bias))
+            row[idx] = row[idx] + mx.array(list(self.bias.values()), dtype=mx.float32)
         if self.repetition != 1 and self.seen:
             idx = mx.array(sorted(self.seen))
             vals = row[idx]
