@@ -27,6 +27,8 @@ class ServerArgs:
     decode_log_interval: int = 40
     log_level: str = "info"
     api_key: str | None = None
+    # browsers may call the API from these origins ("*": any, as vLLM, SGLang and mlx-lm)
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     max_request_bytes: int = 16 * 1024 * 1024
     zmq_port: int | None = None
     transport: str = "ipc"
@@ -107,6 +109,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     a("--decode-log-interval", type=int, default=d.decode_log_interval)
     a("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the HTTP API")
+    a(
+        "--allowed-origins",
+        nargs="*",
+        default=d.allowed_origins,
+        metavar="ORIGIN",
+        help="origins whose web pages may call the HTTP API (CORS; default '*', none: off)",
+    )
     a("--max-request-bytes", type=int, default=d.max_request_bytes)
     a(
         "--zmq-port",

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -44,6 +45,11 @@ _STATUS_CODES = {
 def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI:
     app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, api_key=args.api_key, max_bytes=args.max_request_bytes)
+    if args.allowed_origins:  # outside the guard: a preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -334,6 +334,7 @@ def test_api_key_body_limit_and_context_length(tiny_model, tmp_path):
         extra=[
             "--max-total-tokens", "512", "--context-length", "64",
             "--api-key", "sesame", "--max-request-bytes", "4096",
+            "--allowed-origins", "http://ui.local",
         ],
     )  # fmt: skip
     srv.start()
@@ -350,6 +351,15 @@ def test_api_key_body_limit_and_context_length(tiny_model, tmp_path):
                     assert r.json()["error"]["code"] == "invalid_api_key"
             assert http.get("/v1/models", headers=good).status_code == 200
             assert http.post("/v1/completions", json=body, headers=good).status_code == 200
+
+            # CORS for the allowed origin only; its preflight needs no API key
+            for origin, allowed in (("http://ui.local", True), ("http://elsewhere", False)):
+                ask = {"origin": origin, "access-control-request-method": "POST"}
+                pre = http.options("/v1/completions", headers=ask)
+                assert (pre.status_code == 200) is allowed, pre.text
+                r = http.post("/v1/completions", json=body, headers=good | {"origin": origin})
+                assert r.status_code == 200
+                assert (r.headers.get("access-control-allow-origin") == origin) is allowed
 
             # Over --max-request-bytes: by Content-Length, and counted on a chunked upload.
             big = {"prompt": "x" * 5000, "max_tokens": 1}
@@ -581,6 +591,18 @@ def test_client_disconnects_free_the_slots(server, oai):
 
 
 @pytest.mark.slow
+def test_browsers_may_call_the_api_by_default(server):
+    """CORS for any origin by default, as vLLM, SGLang and mlx_lm.server allow."""
+    ask = {"origin": "http://localhost:8080", "access-control-request-method": "POST"}
+    ask["access-control-request-headers"] = "content-type"
+    pre = httpx.options(server.url + "/v1/chat/completions", headers=ask)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    body = {"prompt": [5, 6], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=ask) as r:
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.read().endswith(b"data: [DONE]\n\n")
+
+
 def test_health_and_models(server):
     assert httpx.get(server.url + "/health").text == "ok"
     models = httpx.get(server.url + "/v1/models").json()
