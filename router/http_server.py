@@ -1,24 +1,22 @@
-"""The OpenAI-compatible HTTP API (FastAPI on uvicorn).
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn): requests in, choices out
+(`router.responses` turns them into a body or a stream).
 
-A client that goes away aborts its request in the scheduler: a stream when Starlette sees
+A client that goes away aborts its requests in the scheduler: a stream when Starlette sees
 the disconnect (the stream task is cancelled), a non-streaming request through a watcher
 that waits for `http.disconnect` while the answer is being generated.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from router.generation import Chunk, Tokenization, generate_text
@@ -31,8 +29,10 @@ from router.openai_api import (
     chat_logprobs,
     completion_logprobs,
     error_body,
-    usage,
 )
+from router.responses import Choice, collect, stream
+
+MAX_CHOICES = 64  # prompts x n in one request; each is a request of its own upstream
 
 _STATUS_CODES = {
     401: "invalid_api_key",
@@ -127,38 +127,62 @@ class _Routes:
         chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
         return track_finish(chunks, self.metrics, rid)
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def _prompts(self, prompt) -> list[list[int]]:
+        """The prompt, or each prompt of a batch, as token ids."""
         if isinstance(prompt, str):
-            return self.tok.encode_text(prompt)
+            return [self.tok.encode_text(prompt)]
         if prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise RequestError("a batch of prompts is not supported yet; send one prompt")
-            return self.tok.encode_text(prompt[0])
-        return list(prompt)
+            return [self.tok.encode_text(p) for p in prompt]
+        if prompt and isinstance(prompt[0], list):
+            return [list(p) for p in prompt]
+        return [list(prompt)]
+
+    def _choices(self, req, prompts: list[list[int]], sampling, rid: str, render_at) -> list:
+        """`n` choices per prompt, index i answering prompt i // n; a seeded request's
+        j-th sample of a prompt uses seed + j, so the samples differ and reproduce."""
+        n = 1 if req.n is None else req.n
+        if not 1 <= n * len(prompts) <= MAX_CHOICES:
+            raise RequestError(
+                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {n * len(prompts)}"
+            )
+        choices = []
+        for index in range(n * len(prompts)):
+            ids, j = prompts[index // n], index % n
+            nth = sampling
+            if j and sampling.seed is not None:
+                nth = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)
+            sub_rid = rid if len(prompts) * n == 1 else f"{rid}-{index}"
+            render, prefix = render_at(index, ids)
+            chunks = self._start(req, ids, nth, sub_rid)
+            choices.append(Choice(chunks, render, index // n, prefix))
+        return choices
 
     async def completions(self, req: CompletionRequest, request: Request):
         self._check(req)
-        ids = self._prompt_ids(req.prompt)
+        prompts = self._prompts(req.prompt)
         sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        chunks = self._start(req, ids, sampling, rid)
-        echo = self.tokenizer.decode(ids) if req.echo else ""
-        offset = [0]  # text offset of the next token, for logprobs
 
-        def render(c: Chunk, text: str) -> dict:
-            lp = None
-            if sampling.logprobs and c.token_ids:
-                lp = completion_logprobs(
-                    c.token_ids, c.logprobs, c.top_logprobs, self.pieces, offset[0]
-                )
-                offset[0] += len(text)
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
-            choice["token_ids"] = c.token_ids
-            return self._body(rid, "text_completion", created, choice)
+        def render_at(index: int, ids: list[int]):
+            offset = [0]  # text offset of the next token, for logprobs
 
+            def render(c: Chunk, text: str) -> dict:
+                lp = None
+                if sampling.logprobs and c.token_ids:
+                    lp = completion_logprobs(
+                        c.token_ids, c.logprobs, c.top_logprobs, self.pieces, offset[0]
+                    )
+                    offset[0] += len(text)
+                choice = {"index": index, "text": text, "logprobs": lp}
+                choice["finish_reason"], choice["token_ids"] = c.finish_reason, c.token_ids
+                return self._body(rid, "text_completion", created, choice)
+
+            return render, self.tokenizer.decode(ids) if req.echo else ""
+
+        choices = self._choices(req, prompts, sampling, rid, render_at)
         if req.stream:
-            return await _sse(request, chunks, render, _include_usage(req), prefix=echo)
-        return await _unless_disconnected(request, _collect(chunks, render, prefix=echo))
+            return await stream(request, choices, _include_usage(req))
+        return await collect(request, choices)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check(req)
@@ -171,31 +195,36 @@ class _Routes:
             max_new = max(1, room)
         sampling = req.sampling(max_new)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        chunks = self._start(req, ids, sampling, rid)
-        first = [True]
 
         def logprobs_of(c: Chunk) -> dict | None:
             if not sampling.logprobs or not c.token_ids:
                 return None
             return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
 
-        def render_delta(c: Chunk, text: str) -> dict:
-            delta = {"content": text}
-            if first[0]:
-                delta["role"], first[0] = "assistant", False
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs_of(c)}
-            choice["finish_reason"] = c.finish_reason
-            return self._body(rid, "chat.completion.chunk", created, choice)
+        def render_at(index: int, _ids: list[int]):
+            first = [True]
 
-        def render_whole(c: Chunk, text: str) -> dict:
-            choice = {"index": 0, "logprobs": logprobs_of(c), "finish_reason": c.finish_reason}
-            choice["message"] = {"role": "assistant", "content": text}
-            choice["token_ids"] = c.token_ids
-            return self._body(rid, "chat.completion", created, choice)
+            def render_delta(c: Chunk, text: str) -> dict:
+                delta = {"content": text}
+                if first[0]:
+                    delta["role"], first[0] = "assistant", False
+                choice = {"index": index, "delta": delta, "logprobs": logprobs_of(c)}
+                choice["finish_reason"] = c.finish_reason
+                return self._body(rid, "chat.completion.chunk", created, choice)
 
+            def render_whole(c: Chunk, text: str) -> dict:
+                choice = {"index": index, "logprobs": logprobs_of(c)}
+                choice["finish_reason"] = c.finish_reason
+                choice["message"] = {"role": "assistant", "content": text}
+                choice["token_ids"] = c.token_ids
+                return self._body(rid, "chat.completion", created, choice)
+
+            return (render_delta if req.stream else render_whole), ""
+
+        choices = self._choices(req, [ids], sampling, rid, render_at)
         if req.stream:
-            return await _sse(request, chunks, render_delta, _include_usage(req))
-        return await _unless_disconnected(request, _collect(chunks, render_whole))
+            return await stream(request, choices, _include_usage(req))
+        return await collect(request, choices)
 
     def _body(self, rid: str, kind: str, created: int, choice: dict) -> dict:
         return {
@@ -248,144 +277,6 @@ class _Guard:
 
 def _include_usage(req) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client goes away (after the body was read, uvicorn's `receive`
-    only answers with `http.disconnect`)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable):
-    """Await `work`; if the client disconnects first, cancel it (which aborts the request
-    upstream) and answer 499, which nobody will read."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise RequestError("client closed the request", "client_closed_request", 499)
-    return task.result()
-
-
-async def _collect(chunks: AsyncIterator[Chunk], render: Callable, prefix: str = "") -> dict:
-    texts, ids, logprobs, top, last = [prefix], [], [], [], None
-    async with _closing(chunks):
-        async for c in chunks:
-            texts.append(c.text)
-            ids += c.token_ids
-            logprobs = _extend(logprobs, c.logprobs, c.token_ids)
-            top = _extend(top, c.top_logprobs, c.token_ids)
-            last = c
-    text = "".join(texts)
-    whole = dataclasses.replace(last, text=text, token_ids=ids, logprobs=logprobs, top_logprobs=top)
-    body = render(whole, text)
-    body["usage"] = usage(last.prompt_tokens, len(ids), last.cached_tokens)
-    return body
-
-
-def _extend(acc: list | None, more: list | None, token_ids: list[int]) -> list | None:
-    """Per-token lists across chunks; None once a chunk with tokens has none."""
-    if acc is None or (more is None and token_ids):
-        return None
-    if more:
-        acc += more
-    return acc
-
-
-async def _sse(
-    request: Request,
-    chunks: AsyncIterator[Chunk],
-    render: Callable,
-    include_usage: bool,
-    prefix: str = "",
-) -> StreamingResponse:
-    """Server-sent events; the first chunk is awaited first so early errors get a 4xx.
-
-    Chunks whose text is still held back (half a character, a possible stop string) are
-    not sent on their own: their token ids ride along with the next chunk that has text.
-    """
-    try:
-        first = await _unless_disconnected(request, anext(chunks))
-    except BaseException:
-        await _aclose_shielded(chunks)
-        raise
-
-    async def events():
-        last, sent, held = first, len(first.token_ids), None
-        try:
-            if prefix:
-                yield _event(render(Chunk(prefix, [], None, 0, 0, 0), prefix))
-            yield _event(render(first, first.text))
-            async for c in chunks:
-                last = c
-                sent += len(c.token_ids)
-                if held is not None:
-                    c, held = _merge(held, c), None
-                if not c.text and c.finish_reason is None:
-                    held = c
-                    continue
-                yield _event(render(c, c.text))
-            if include_usage:
-                body = render(last, "")
-                body["choices"] = []
-                body["usage"] = usage(last.prompt_tokens, sent, last.cached_tokens)
-                yield _event(body)
-        except RequestError as exc:
-            yield _event(error_body(exc.message, exc.code, exc.status))
-        finally:
-            await _aclose_shielded(chunks)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-def _merge(a: Chunk, b: Chunk) -> Chunk:
-    """`b` with the text, tokens and logprobs of the held-back `a` in front."""
-
-    def cat(x, y):
-        x = [] if x is None and not a.token_ids else x
-        y = [] if y is None and not b.token_ids else y
-        return None if x is None or y is None else x + y
-
-    return dataclasses.replace(
-        b,
-        text=a.text + b.text,
-        token_ids=a.token_ids + b.token_ids,
-        logprobs=cat(a.logprobs, b.logprobs),
-        top_logprobs=cat(a.top_logprobs, b.top_logprobs),
-    )
-
-
-class _closing:
-    """`contextlib.aclosing` whose close survives a cancelled task."""
-
-    def __init__(self, gen):
-        self.gen = gen
-
-    async def __aenter__(self):
-        return self.gen
-
-    async def __aexit__(self, *exc):
-        await _aclose_shielded(self.gen)
-
-
-async def _aclose_shielded(gen) -> None:
-    with anyio.CancelScope(shield=True):
-        await gen.aclose()
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def _describe(exc: RequestValidationError) -> str:

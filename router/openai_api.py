@@ -41,8 +41,6 @@ class _Common(BaseModel):
     user: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.n not in (None, 1):
-            return "n other than 1 is not supported yet"
         return None
 
     def logprob_request(self) -> tuple[bool, int]:
@@ -80,7 +78,7 @@ def _or(value, default):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[StrictInt] | list[str] = Field(...)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(...)
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None  # how many alternatives; 0 = only the sampled token
 

@@ -127,6 +127,68 @@ def _user(content) -> dict:
     return {"role": "user", "content": content}
 
 
+def _choices_of_stream(response) -> tuple[dict[int, list], dict[int, str], dict]:
+    """Per choice index the token ids (completions) or text pieces (chat) and the finish
+    reason, and the usage, of an SSE stream."""
+    got, finish, usage = {}, {}, None
+    for line in response.iter_lines():
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        usage = event.get("usage") or usage
+        for c in event["choices"]:
+            if "delta" in c:
+                if c["delta"].get("role"):
+                    assert c["index"] not in got  # a choice's first chunk names the role
+                got.setdefault(c["index"], []).append(c["delta"]["content"])
+            else:
+                got.setdefault(c["index"], []).extend(c["token_ids"])
+            if c["finish_reason"]:
+                finish[c["index"]] = c["finish_reason"]
+    return got, finish, usage
+
+
+def test_n_and_prompt_batches_make_one_choice_each(server, tiny_model):
+    """n samples of a prompt and a batch of prompts: each choice is its own generation,
+    greedy ones exact, seeded ones reproducible (sample j uses seed + j), usage counting
+    each prompt once and every completion."""
+    url = server.url + "/v1/completions"
+    a, b = [5, 17, 99, 230], [300, 12, 7]
+    greedy = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url, json=greedy | {"prompt": [a, b], "n": 2}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    want = [mlx_greedy(tiny_model, p, 5) for p in (a, a, b, b)]
+    assert [c["token_ids"] for c in r["choices"]] == want
+    assert r["usage"]["prompt_tokens"] == len(a) + len(b)
+    assert r["usage"]["completion_tokens"] == 20
+
+    body = greedy | {"prompt": [a, b], "n": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as resp:
+        ids, finish, usage = _choices_of_stream(resp)
+    assert [ids[i] for i in range(4)] == want and set(finish.values()) == {"length"}
+    assert usage["prompt_tokens"] == len(a) + len(b) and usage["completion_tokens"] == 20
+
+    sampled = {"prompt": a, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    three = httpx.post(url, json=sampled | {"n": 3, "seed": 10}, timeout=60).json()
+    for j, c in enumerate(three["choices"]):
+        alone = httpx.post(url, json=sampled | {"seed": 10 + j}, timeout=60).json()
+        assert c["token_ids"] == alone["choices"][0]["token_ids"]
+    assert len({tuple(c["token_ids"]) for c in three["choices"]}) > 1
+
+
+def test_chat_n_streams_each_choice_with_its_role(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 3}
+    body |= {"temperature": 0, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as resp:
+        texts, finish, usage = _choices_of_stream(resp)
+    assert sorted(texts) == [0, 1, 2]
+    assert "".join(texts[0]) == "".join(texts[1]) == "".join(texts[2])  # greedy
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert usage["completion_tokens"] == 12
+
+
 def test_logit_bias_bans_and_favours_tokens(server):
     body = {"prompt": [5, 17, 99, 230], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     url = server.url + "/v1/completions"
@@ -214,7 +276,7 @@ def test_errors_surface_as_openai_exceptions(server, oai):
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
         (openai.NotFoundError, "does not exist", dict(model="gpt-4")),
-        (openai.BadRequestError, "n other than 1 is not supported yet", dict(n=2)),
+        (openai.BadRequestError, "1 to 64 choices (prompts x n), not 65", dict(n=65)),
         (openai.BadRequestError, "tools are not supported yet", dict(tools=[_TOOL])),
         (
             openai.BadRequestError,
@@ -257,8 +319,9 @@ def test_malformed_bodies_get_openai_errors(server):
         (comp, {"prompt": "hi", "temperature": True}, 400, "temperature"),
         (comp, {"prompt": "hi", "stream": 1}, 400, "stream"),
         (comp, {"prompt": "hi", "stop": 5}, 400, "stop"),
-        (comp, {"prompt": [[1, 2], [3]]}, 400, "prompt"),
-        (comp, {"prompt": ["a", "b"]}, 400, "batch of prompts is not supported yet"),
+        (comp, {"prompt": [[1, 2], ["a"]]}, 400, "prompt"),
+        (comp, {"prompt": [[1, 2], []]}, 400, "the prompt is empty"),
+        (comp, {"prompt": ["a"] * 33, "n": 2}, 400, "1 to 64 choices (prompts x n), not 66"),
         (comp, {"prompt": []}, 400, "the prompt is empty"),
         (comp, {"prompt": ""}, 400, "the prompt is empty"),
         (comp, {"prompt": [1, -2]}, 400, "prompt token ids must be in [0, 512)"),
@@ -277,13 +340,13 @@ def test_malformed_bodies_get_openai_errors(server):
         (comp, {"prompt": "hi", "max_tokens": 9000}, 400, "can never fit in the KV pool"),
         (comp, {"prompt": "hi", "max_tokens": 9000, "stream": True}, 400, "never fit"),
         (comp, {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
-        (comp, {"prompt": "hi", "n": 2}, 400, "not supported yet"),
+        (comp, {"prompt": "hi", "n": 0}, 400, "1 to 64 choices (prompts x n), not 0"),
         (chat, {"messages": []}, 400, "messages"),
         (chat, {"messages": "hi"}, 400, "messages"),
         (chat, {"messages": hi, "max_completion_tokens": "x"}, 400, "max_completion_tokens"),
         (chat, {"messages": hi, "tools": [_TOOL]}, 400, "tools are not supported yet"),
         (chat, {"messages": hi, "response_format": {"type": "json_schema"}}, 400, "not supported"),
-        (chat, {"messages": hi, "n": 3}, 400, "n other than 1 is not supported yet"),
+        (chat, {"messages": hi, "n": -1}, 400, "choices (prompts x n)"),
         (chat, {"messages": hi, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
         (chat, {"messages": hi, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
         (comp, {"prompt": "hi", "logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
@@ -544,9 +607,10 @@ def test_client_disconnects_free_the_slots(server, oai):
     before = scrape(url)
     log_lines = server.log().count("Decode batch")
 
-    # 1. An httpx stream closed after a few chunks.
+    # 1. An httpx stream of three choices closed after a few chunks.
+    three = _long(_prompt(21), True) | {"n": 3}
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", url + "/v1/completions", json=_long(_prompt(21), True)) as r:
+        with http.stream("POST", url + "/v1/completions", json=three) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             for _ in range(6):
@@ -570,8 +634,8 @@ def test_client_disconnects_free_the_slots(server, oai):
     stream.close()
     wait_idle(url)
 
-    # 3. A non-streaming request whose client goes away while it is generated.
-    body = json.dumps(_long(_prompt(22), False)).encode()
+    # 3. A non-streaming request of two choices whose client goes away while they run.
+    body = json.dumps(_long(_prompt(22), False) | {"n": 2}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -581,8 +645,8 @@ def test_client_disconnects_free_the_slots(server, oai):
     sock.close()
     after = wait_idle(url)
 
-    assert delta(after, before, ABORTS) == 3
-    # Three 4000-token requests run to the end would log ~300 "Decode batch" lines.
+    assert delta(after, before, ABORTS) == 3 + 1 + 2
+    # Six 4000-token requests run to the end would log ~600 "Decode batch" lines.
     assert server.log().count("Decode batch") - log_lines < 100
     # The scheduler (checking its invariants every step) still serves, token-exact.
     r = httpx.post(url + "/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 4})

@@ -1,0 +1,236 @@
+"""From the chunks of one or more generations to an HTTP response: a JSON body or
+server-sent events. Each generation is one choice of the response (`n` samples of a prompt,
+or a batch of prompts); the choices run concurrently and a client that goes away aborts
+them all upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from router.generation import Chunk
+from router.manager import RequestError
+from router.openai_api import error_body, usage
+
+
+@dataclass
+class Choice:
+    """One generation of a response: its chunks, how a chunk renders (a response body
+    with this choice alone), the prompt it answers (usage counts each prompt once) and the
+    text echoed before it."""
+
+    chunks: AsyncIterator[Chunk]
+    render: Callable[[Chunk, str], dict]
+    prompt: int = 0
+    prefix: str = ""
+
+
+async def collect(request: Request, choices: list[Choice]) -> dict:
+    """The whole response body; 499 if the client goes away first."""
+    tasks = [asyncio.ensure_future(_collect(c)) for c in choices]
+    try:
+        done = await _unless_disconnected(request, asyncio.gather(*tasks))
+    finally:
+        await _cancel(tasks)  # one failed, or the client left: the others stop too
+    bodies = [body for body, _, _ in done]
+    body = bodies[0]
+    body["choices"] = [b["choices"][0] for b in bodies]
+    body["usage"] = _usage(choices, [last for _, last, _ in done], [n for _, _, n in done])
+    return body
+
+
+async def _collect(choice: Choice) -> tuple[dict, Chunk, int]:
+    texts, ids, logprobs, top, last = [choice.prefix], [], [], [], None
+    async with _closing(choice.chunks):
+        async for c in choice.chunks:
+            texts.append(c.text)
+            ids += c.token_ids
+            logprobs = _extend(logprobs, c.logprobs, c.token_ids)
+            top = _extend(top, c.top_logprobs, c.token_ids)
+            last = c
+    text = "".join(texts)
+    whole = dataclasses.replace(last, text=text, token_ids=ids, logprobs=logprobs, top_logprobs=top)
+    return choice.render(whole, text), last, len(ids)
+
+
+def _extend(acc: list | None, more: list | None, token_ids: list[int]) -> list | None:
+    """Per-token lists across chunks; None once a chunk with tokens has none."""
+    if acc is None or (more is None and token_ids):
+        return None
+    if more:
+        acc += more
+    return acc
+
+
+def _usage(choices: list[Choice], lasts: list[Chunk], completion: list[int]) -> dict:
+    """Each prompt counted once, however many choices answer it; every completion."""
+    first_of = {c.prompt: i for i, c in reversed(list(enumerate(choices)))}
+    prompt = sum(lasts[i].prompt_tokens for i in first_of.values())
+    cached = sum(lasts[i].cached_tokens for i in first_of.values())
+    return usage(prompt, sum(completion), cached)
+
+
+async def stream(request: Request, choices: list[Choice], include_usage: bool):
+    """Server-sent events; every choice's first chunk is awaited first, so early errors
+    get a 4xx.
+
+    Chunks whose text is still held back (half a character, a possible stop string) are
+    not sent on their own: their token ids ride along with the choice's next chunk that
+    has text.
+    """
+    starts = [asyncio.ensure_future(anext(c.chunks)) for c in choices]
+    try:
+        firsts = await _unless_disconnected(request, asyncio.gather(*starts))
+    except BaseException:
+        await _cancel(starts)  # a generator cannot be closed while one of them reads it
+        for c in choices:
+            await _aclose_shielded(c.chunks)
+        raise
+
+    async def events():
+        lasts, sent = list(firsts), [len(f.token_ids) for f in firsts]
+        held: list[Chunk | None] = [None] * len(choices)
+        try:
+            for choice, first in zip(choices, firsts):
+                if choice.prefix:
+                    yield _event(
+                        choice.render(Chunk(choice.prefix, [], None, 0, 0, 0), choice.prefix)
+                    )
+                yield _event(choice.render(first, first.text))
+            async for i, c in _interleaved([c.chunks for c in choices]):
+                lasts[i] = c
+                sent[i] += len(c.token_ids)
+                if held[i] is not None:
+                    c, held[i] = _merge(held[i], c), None
+                if not c.text and c.finish_reason is None:
+                    held[i] = c
+                    continue
+                yield _event(choices[i].render(c, c.text))
+            if include_usage:
+                body = choices[0].render(lasts[0], "")
+                body["choices"] = []
+                body["usage"] = _usage(choices, lasts, sent)
+                yield _event(body)
+        except RequestError as exc:
+            yield _event(error_body(exc.message, exc.code, exc.status))
+        finally:
+            for c in choices:
+                await _aclose_shielded(c.chunks)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _interleaved(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """(index, chunk) of several streams as they come; one stream is read directly."""
+    if len(streams) == 1:
+        async for c in streams[0]:
+            yield 0, c
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, chunks: AsyncIterator[Chunk]) -> None:
+        try:
+            async for c in chunks:
+                await queue.put((i, c))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        await _cancel(pumps)
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    """`b` with the text, tokens and logprobs of the held-back `a` in front."""
+
+    def cat(x, y):
+        x = [] if x is None and not a.token_ids else x
+        y = [] if y is None and not b.token_ids else y
+        return None if x is None or y is None else x + y
+
+    return dataclasses.replace(
+        b,
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=cat(a.logprobs, b.logprobs),
+        top_logprobs=cat(a.top_logprobs, b.top_logprobs),
+    )
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (after the body was read, uvicorn's `receive`
+    only answers with `http.disconnect`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`; if the client disconnects first, cancel it (which aborts the request
+    upstream) and answer 499, which nobody will read."""
+    # a Task ends cancelled when cancelled; a bare gather would end with an error instead
+    task = asyncio.ensure_future(_awaited(work))
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            await _cancel([task])
+    if task.cancelled():
+        raise RequestError("client closed the request", "client_closed_request", 499)
+    return task.result()
+
+
+async def _awaited(work: Awaitable):
+    return await work
+
+
+async def _cancel(tasks: list[asyncio.Future]) -> None:
+    """Cancel what is still running and wait for it, even from a cancelled task."""
+    for t in tasks:
+        t.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _closing:
+    """`contextlib.aclosing` whose close survives a cancelled task."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    async def __aenter__(self):
+        return self.gen
+
+    async def __aexit__(self, *exc):
+        await _aclose_shielded(self.gen)
+
+
+async def _aclose_shielded(gen) -> None:
+    with anyio.CancelScope(shield=True):
+        await gen.aclose()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
