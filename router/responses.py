@@ -97,6 +97,7 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
     async def events():
         lasts, sent = list(firsts), [len(f.token_ids) for f in firsts]
         held: list[Chunk | None] = [None] * len(choices)
+        merged = _interleaved([c.chunks for c in choices])
         try:
             for choice, first in zip(choices, firsts):
                 if choice.prefix:
@@ -104,7 +105,7 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
                         choice.render(Chunk(choice.prefix, [], None, 0, 0, 0), choice.prefix)
                     )
                 yield _event(choice.render(first, first.text))
-            async for i, c in _interleaved([c.chunks for c in choices]):
+            async for i, c in merged:
                 lasts[i] = c
                 sent[i] += len(c.token_ids)
                 if held[i] is not None:
@@ -121,6 +122,7 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
         except RequestError as exc:
             yield _event(error_body(exc.message, exc.code, exc.status))
         finally:
+            await _aclose_shielded(merged)  # its readers stop before their streams close
             for c in choices:
                 await _aclose_shielded(c.chunks)
         yield "data: [DONE]\n\n"
