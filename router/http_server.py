@@ -25,6 +25,8 @@ from router.metrics import track_finish
 from router.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     TokenPieces,
     chat_logprobs,
     completion_logprobs,
@@ -32,6 +34,7 @@ from router.openai_api import (
 )
 from router.responses import Choice, collect, stream
 
+_GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
 MAX_CHOICES = 64  # prompts x n in one request; each is a request of its own upstream
 
 _STATUS_CODES = {
@@ -59,6 +62,8 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     app.get("/metrics")(routes.metrics_text)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
     return app
 
 
@@ -116,9 +121,26 @@ class _Routes:
                 "model_not_found",
                 404,
             )
-        problem = req.unsupported()
+        problem = req.unsupported() if hasattr(req, "unsupported") else None
         if problem:
             raise RequestError(problem, "unsupported_parameter")
+
+    async def tokenize(self, req: TokenizeRequest):
+        self._check(req)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("give exactly one of prompt or messages")
+        if req.messages is not None:
+            ids = self.tok.encode_chat(req.messages)
+        else:
+            ids = self.tok.encode_text(req.prompt)
+        return {"count": len(ids), "max_model_len": self.manager.context_len, "tokens": ids}
+
+    async def detokenize(self, req: DetokenizeRequest):
+        self._check(req)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Chunk]:
         """The request's chunks of generated text."""
@@ -237,7 +259,7 @@ class _Routes:
 
 
 class _Guard:
-    """Pure ASGI middleware (no per-chunk cost on streams): the API key on /v1/ and the
+    """Pure ASGI middleware (no per-chunk cost on streams): the API key on the API paths and the
     request body limit, checked on Content-Length and again on the bytes received, so a
     chunked upload cannot get around it."""
 
@@ -250,7 +272,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.bearer is not None and scope["path"].startswith("/v1/"):
+        if self.bearer is not None and scope["path"].startswith(_GUARDED):
             if headers.get(b"authorization") != self.bearer:
                 body = error_body("invalid or missing API key", "invalid_api_key", 401)
                 return await JSONResponse(body, 401)(scope, receive, send)

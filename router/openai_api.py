@@ -107,6 +107,24 @@ class ChatCompletionRequest(_Common):
         return bool(self.logprobs), self.top_logprobs or 0
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, tokenized as /v1/completions does, or chat messages
+    rendered with the chat template as /v1/chat/completions does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 def usage(prompt: int, completion: int, cached: int) -> dict:
     return {
         "prompt_tokens": prompt,

@@ -414,6 +414,8 @@ def test_api_key_body_limit_and_context_length(tiny_model, tmp_path):
                     assert r.json()["error"]["code"] == "invalid_api_key"
             assert http.get("/v1/models", headers=good).status_code == 200
             assert http.post("/v1/completions", json=body, headers=good).status_code == 200
+            assert http.post("/tokenize", json={"prompt": "a"}).status_code == 401
+            assert http.post("/tokenize", json={"prompt": "a"}, headers=good).status_code == 200
 
             # CORS for the allowed origin only; its preflight needs no API key
             for origin, allowed in (("http://ui.local", True), ("http://elsewhere", False)):
@@ -665,6 +667,31 @@ def test_browsers_may_call_the_api_by_default(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=ask) as r:
         assert r.headers["access-control-allow-origin"] == "*"
         assert r.read().endswith(b"data: [DONE]\n\n")
+
+
+def test_tokenize_and_detokenize_as_the_endpoints_do(server, tokenizer):
+    """vLLM's /tokenize and /detokenize: the ids the completion endpoints would compute."""
+    text = "Bonjour, ça va ? 日本語"
+    messages = [{"role": "user", "content": text}]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/tokenize", json={"prompt": text}).json()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert r == {"count": len(ids), "max_model_len": 32768, "tokens": ids}
+        chat = http.post("/tokenize", json={"messages": messages}).json()
+        assert chat["tokens"] == _chat_ids(tokenizer, messages)
+        completion = {"prompt": text, "max_tokens": 1}
+        used = http.post("/v1/completions", json=completion).json()["usage"]["prompt_tokens"]
+        assert used == len(ids)
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+        for path, body, needle in (
+            ("/tokenize", {}, "exactly one of prompt or messages"),
+            ("/tokenize", {"prompt": "a", "messages": messages}, "exactly one"),
+            ("/tokenize", {"messages": [{"role": "user", "content": 3}]}, "list of text parts"),
+            ("/detokenize", {"tokens": [1, 512]}, "token ids must be in [0, 512)"),
+            ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ):
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_health_and_models(server):
