@@ -259,9 +259,9 @@ class _Routes:
 
 
 class _Guard:
-    """Pure ASGI middleware (no per-chunk cost on streams): the API key on the API paths and the
-    request body limit, checked on Content-Length and again on the bytes received, so a
-    chunked upload cannot get around it."""
+    """Pure ASGI middleware (no per-chunk cost on streams): the API key on the API paths
+    and the request body limit, checked on Content-Length and again on the bytes received,
+    so a chunked upload cannot get around it."""
 
     def __init__(self, app, api_key: str | None, max_bytes: int):
         self.app = app
