@@ -201,10 +201,7 @@ class _Routes:
 
             return render, self.tokenizer.decode(ids) if req.echo else ""
 
-        choices = self._choices(req, prompts, sampling, rid, render_at)
-        if req.stream:
-            return await stream(request, choices, _include_usage(req))
-        return await collect(request, choices)
+        return await _respond(req, request, self._choices(req, prompts, sampling, rid, render_at))
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check(req)
@@ -243,10 +240,7 @@ class _Routes:
 
             return (render_delta if req.stream else render_whole), ""
 
-        choices = self._choices(req, [ids], sampling, rid, render_at)
-        if req.stream:
-            return await stream(request, choices, _include_usage(req))
-        return await collect(request, choices)
+        return await _respond(req, request, self._choices(req, [ids], sampling, rid, render_at))
 
     def _body(self, rid: str, kind: str, created: int, choice: dict) -> dict:
         return {
@@ -297,8 +291,12 @@ class _Guard:
         return error_body(msg, "request_too_large", 413)
 
 
-def _include_usage(req) -> bool:
-    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+async def _respond(req, request: Request, choices: list[Choice]):
+    """One JSON body, or a stream of events if the request asked for one."""
+    if not req.stream:
+        return await collect(request, choices)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await stream(request, choices, include_usage)
 
 
 def _describe(exc: RequestValidationError) -> str:
