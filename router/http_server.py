@@ -113,7 +113,13 @@ class _Routes:
         return PlainTextResponse(body, media_type=content_type)
 
     def _check(self, req) -> None:
-        """What any request needs before its prompt is looked at."""
+        """What a completion request needs before its prompt is looked at."""
+        self._check_model(req)
+        problem = req.unsupported()
+        if problem:
+            raise RequestError(problem, "unsupported_parameter")
+
+    def _check_model(self, req) -> None:
         self.manager.check_ready()
         if req.model not in (None, "", self.model_name, self.args.model_path):
             raise RequestError(
@@ -121,12 +127,9 @@ class _Routes:
                 "model_not_found",
                 404,
             )
-        problem = req.unsupported() if hasattr(req, "unsupported") else None
-        if problem:
-            raise RequestError(problem, "unsupported_parameter")
 
     async def tokenize(self, req: TokenizeRequest):
-        self._check(req)
+        self._check_model(req)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if req.messages is not None:
@@ -136,7 +139,7 @@ class _Routes:
         return {"count": len(ids), "max_model_len": self.manager.context_len, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest):
-        self._check(req)
+        self._check_model(req)
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise RequestError(f"token ids must be in [0, {vocab})")
@@ -163,17 +166,18 @@ class _Routes:
         """`n` choices per prompt, index i answering prompt i // n; a seeded request's
         j-th sample of a prompt uses seed + j, so the samples differ and reproduce."""
         n = 1 if req.n is None else req.n
-        if not 1 <= n * len(prompts) <= MAX_CHOICES:
+        total = n * len(prompts)
+        if not 1 <= total <= MAX_CHOICES:
             raise RequestError(
-                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {n * len(prompts)}"
+                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {total}"
             )
         choices = []
-        for index in range(n * len(prompts)):
+        for index in range(total):
             ids, j = prompts[index // n], index % n
             nth = sampling
             if j and sampling.seed is not None:
                 nth = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)
-            sub_rid = rid if len(prompts) * n == 1 else f"{rid}-{index}"
+            sub_rid = rid if total == 1 else f"{rid}-{index}"
             render, prefix = render_at(index, ids)
             chunks = self._start(req, ids, nth, sub_rid)
             choices.append(Choice(chunks, render, index // n, prefix))
