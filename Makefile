@@ -62,9 +62,9 @@ format: setup
 
 bench: setup
 	$(PY) -m pip install -q -e '.[test,bench]'
-	$(PY) -m scheduler.bench_scheduler
-	$(PY) -m worker_mlx.bench_one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64 --rounds 5 --compare-mlx-lm
-	$(PY) -m router.bench_serving --suite standard
+	$(PY) -m benchmarks.scheduler_micro
+	$(PY) -m benchmarks.one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64 --rounds 5 --compare-mlx-lm
+	$(PY) -m benchmarks.serving --suite standard
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -2,7 +2,7 @@
 
 Each process appends `<monotonic ns> <event> <ids...>` lines to its own file in the
 directory. CLOCK_MONOTONIC is shared by the processes of one machine, so
-`python -m router.trace_report DIR` can follow one request across the router, the
+`python -m benchmarks.trace_report DIR` can follow one request across the router, the
 scheduler and the worker. Without a directory a trace is a no-op.
 """
 

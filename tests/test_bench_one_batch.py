@@ -1,15 +1,15 @@
-"""bench_one_batch runs end to end on the tiny model and its figures add up."""
+"""benchmarks.one_batch runs end to end on the tiny model and its figures add up."""
 
 from __future__ import annotations
 
 import json
 
-from worker_mlx import bench_one_batch
+from benchmarks import one_batch
 
 
 def test_rounds_and_scaling_are_reported(tiny_model, tmp_path, capsys):
     out = tmp_path / "r.jsonl"
-    rows = bench_one_batch.main(
+    rows = one_batch.main(
         ["--model-path", tiny_model, "--batch-size", "1", "3", "--input-len", "8"]
         + ["--output-len", "5", "--cached-prefix-len", "20", "--rounds", "3"]
         + ["--result-file", str(out)]
@@ -28,7 +28,7 @@ def test_rounds_and_scaling_are_reported(tiny_model, tmp_path, capsys):
 
 
 def test_mlx_lm_comparison_and_its_own_scaling(tiny_model, tmp_path, capsys):
-    rows = bench_one_batch.main(
+    rows = one_batch.main(
         ["--model-path", tiny_model, "--batch-size", "1", "2", "--input-len", "8"]
         + ["--output-len", "6", "--compare-mlx-lm", "--result-file", str(tmp_path / "r.jsonl")]
     )

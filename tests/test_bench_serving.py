@@ -1,4 +1,4 @@
-"""router.bench_serving against a real radix-mlx on the tiny model: the tool works and its
+"""benchmarks.serving against a real radix-mlx on the tiny model: the tool works and its
 numbers are internally consistent (every request succeeded, token counts match the
 requests, throughputs match totals over duration). No comparison with mlx_lm.server here:
 that is the benchmark's job, not a test's."""
@@ -11,17 +11,12 @@ import math
 
 import pytest
 
-from router.bench_plots import save_plots
-from router.bench_report import (
-    REFERENCE,
-    RequestResult,
-    RunResult,
-    comparison_table,
-    compute_metrics,
-)
-from router.bench_serving import Endpoint, bench_run, load_tokenizer, main
-from router.bench_summary import Target, check_targets, median_over_repeats
-from router.bench_workloads import PromptFactory, WorkloadSpec, build_sessions
+from benchmarks.plots import save_plots
+from benchmarks.records import RequestResult, RunResult, WorkloadSpec
+from benchmarks.report import REFERENCE, comparison_table, compute_metrics
+from benchmarks.serving import Endpoint, bench_run, load_tokenizer, main
+from benchmarks.summary import Target, check_targets, median_over_repeats
+from benchmarks.workloads import PromptFactory, build_sessions
 
 pytestmark = pytest.mark.slow
 

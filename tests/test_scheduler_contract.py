@@ -389,10 +389,10 @@ def test_randomized_stress(make_harness, seed):
 
 
 def test_bench_scheduler_smoke(tmp_path):
-    from scheduler import bench_scheduler
+    from benchmarks import scheduler_micro
 
     out = tmp_path / "bench.jsonl"
-    bench_scheduler.main(
+    scheduler_micro.main(
         ["--requests", "8", "--steps", "20", "--trie-requests", "200", "--out", str(out)]
     )
     row = json.loads(out.read_text().splitlines()[-1])

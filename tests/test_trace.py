@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from benchmarks.trace_report import STAGES, first_token_timelines, read_events, report, step_times
 from common.trace import Trace
-from router.trace_report import STAGES, first_token_timelines, read_events, report, step_times
 from tests.conftest import mlx_greedy
 from tests.server import ServerProcess
 

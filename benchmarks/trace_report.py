@@ -1,6 +1,6 @@
 """Where each request's time to first token went, from a `--trace-dir` of a server run.
 
-    python -m router.trace_report DIR
+    python -m benchmarks.trace_report DIR
 
 For every request it follows the first token through the processes: router to scheduler,
 waiting and scheduling, scheduler to worker, the worker's step, back to the scheduler,

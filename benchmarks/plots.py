@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from router.bench_report import RunResult
+from benchmarks.records import RunResult
 
 
 def save_plots(results: list[tuple[RunResult, dict]], out_dir: Path) -> list[Path]:

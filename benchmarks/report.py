@@ -1,4 +1,4 @@
-"""Results of `router.bench_serving`: per-run metrics, tables, JSONL lines, comparison, plots.
+"""Results of `benchmarks.serving`: per-run metrics, tables, JSONL lines, comparison.
 
 Everything here is computed from client-side timestamps and the servers' own usage
 counts, so the same code judges every backend.
@@ -10,55 +10,14 @@ import json
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from router.bench_workloads import WorkloadSpec
+from benchmarks.records import RequestResult, RunResult
 
 REFERENCE = "mlx-lm"
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it (times in seconds)."""
-
-    label: str
-    prompt_len: int
-    requested_len: int
-    ok: bool = False
-    error: str = ""
-    output_len: int = 0  # the server's completion_tokens (or the streamed count)
-    streamed_tokens: int | None = None  # token ids seen in chunks; None if not sent
-    reported_prompt_len: int | None = None
-    cached_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
-
-
-@dataclass
-class RunResult:
-    """One workload against one backend at one concurrency and rate."""
-
-    backend: str
-    transport: str
-    workload: WorkloadSpec
-    max_concurrency: int | None
-    request_rate: float
-    duration: float
-    requests: list[RequestResult]
-    info: dict[str, Any] = field(default_factory=dict)
-    repeat: int = 0  # which repeat of the plan (another seed, fresh servers)
-
-    def load_key(self) -> str:
-        """Which runs are comparable: same load, different backend."""
-        return f"{self.workload.key()} c{self.max_concurrency or 'inf'} r{self.request_rate}"
 
 
 BUSY_CORES = 0.25  # more CPU than this used by other processes disturbs a run

@@ -1,4 +1,4 @@
-"""How `router.bench_serving` talks to a backend: the OpenAI HTTP API with SSE, or
+"""How `benchmarks.serving` talks to a backend: the OpenAI HTTP API with SSE, or
 radix-mlx's ZMQ SDK. Both fill the same RequestResult from what the client sees."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from router.bench_report import RequestResult
-from router.bench_workloads import Clock, Prompt
+from benchmarks.records import Prompt, RequestResult
+from benchmarks.workloads import Clock
 
 
 class HttpSender:

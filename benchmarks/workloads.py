@@ -1,4 +1,4 @@
-"""Workloads for `router.bench_serving`: prompt sets and the load generator that sends them.
+"""Workloads for `benchmarks.serving`: prompt sets and the load generator that sends them.
 
 mlx_lm.server only takes text, radix-mlx takes token ids. To send both the same prompts,
 prompts are built from "word" tokens (a leading space and letters) whose text re-encodes
@@ -14,21 +14,13 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from router.bench_report import RequestResult
+from benchmarks.records import Prompt, RequestResult, WorkloadSpec
 
 WORKLOADS = ("random", "generated-shared-prefix", "multi-turn", "repeat")
 _WORD = re.compile(r" [A-Za-z]+")
-
-
-@dataclass
-class Prompt:
-    """One prompt as token ids (for radix-mlx) and as text (for text-only servers)."""
-
-    ids: list[int]
-    text: str
 
 
 @dataclass
@@ -45,19 +37,6 @@ class Session:
     labels: list[str]
     carry_history: bool = False
     history_as_text: bool = False
-
-
-@dataclass
-class WorkloadSpec:
-    """A workload's name and parameters, recorded with every run."""
-
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-    def key(self) -> str:
-        """Short id of the load, used to line runs up in the comparison."""
-        short = "-".join(f"{v}" for v in self.params.values())
-        return f"{self.name}[{short}]"
 
 
 class PromptFactory:

@@ -1,6 +1,6 @@
 """Latency of one static batch through the worker's ModelRunner, no server around it.
 
-    python -m worker_mlx.bench_one_batch --model-path P --batch-size 1 4 \
+    python -m benchmarks.one_batch --model-path P --batch-size 1 4 \
         --input-len 60 --output-len 100 [--cached-prefix-len K] [--compare-mlx-lm] [--rounds N]
 
 Prints SGLang's bench_one_batch lines for a warm-up and a benchmark pass and appends one

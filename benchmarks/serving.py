@@ -1,8 +1,8 @@
 """Serving benchmark: radix-mlx side by side with mlx_lm.server on the same prompts.
 
-    python -m router.bench_serving --backend all --workload generated-shared-prefix \
+    python -m benchmarks.serving --backend all --workload generated-shared-prefix \
         --preset small --max-concurrency 8
-    python -m router.bench_serving --suite standard        # what `make bench` runs
+    python -m benchmarks.serving --suite standard        # what `make bench` runs
 
 An asyncio load generator speaking the OpenAI HTTP API (or radix-mlx's ZMQ SDK with
 `--transport sdk`). It starts each backend itself on free loopback ports (or uses
@@ -28,30 +28,29 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from common.blas import OPENBLAS_PATHS
-from common.ipc import free_ports
-from common.server_process import ServerProcess
-from router.bench_report import (
+from benchmarks.records import RunResult, WorkloadSpec
+from benchmarks.report import (
     CpuMeter,
-    RunResult,
     append_jsonl,
     compute_metrics,
     format_table,
     held_first_tokens,
     jsonl_row,
 )
-from router.bench_summary import report
-from router.bench_transports import HttpSender, SdkSender
-from router.bench_workloads import (
+from benchmarks.summary import report
+from benchmarks.transports import HttpSender, SdkSender
+from benchmarks.workloads import (
     WORKLOADS,
     Progress,
     PromptFactory,
-    WorkloadSpec,
     build_sessions,
     run_sessions,
     spec_from_args,
     standard_suite,
 )
+from common.blas import OPENBLAS_PATHS
+from common.ipc import free_ports
+from common.server_process import ServerProcess
 from router.model_files import load_tokenizer
 
 BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm")

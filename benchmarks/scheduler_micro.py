@@ -1,4 +1,4 @@
-"""Micro-benchmark of the scheduler's own overhead: `python -m scheduler.bench_scheduler`.
+"""Micro-benchmark of the scheduler's own overhead: `python -m benchmarks.scheduler_micro`.
 
 1. Time per decode step with N running requests, driving the in-process `Scheduler`
    directly (no sockets, no model): `next_batch()` + `on_result()` + `take_outputs()`.

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.bench_plots import save_plots
-from router.bench_report import REFERENCE, RunResult, comparison_table, metric
+from benchmarks.plots import save_plots
+from benchmarks.records import RunResult
+from benchmarks.report import REFERENCE, comparison_table, metric
 
 
 @dataclass
