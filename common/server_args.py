@@ -1,47 +1,102 @@
-"""Server arguments shared by every process, with SGLang's flag names where one exists."""
+"""Server arguments shared by every process, with SGLang's flag names where one exists.
+
+Each `ServerArgs` field is declared once, with its default, help text and choices; the
+`radix-mlx serve` parser is derived from the fields: flag `--max-total-tokens` for field
+`max_total_tokens`, argparse type from the annotation (bool: a switch, list[str]: any
+number of values, `X | None`: X). A field with metadata `cli=False` is no flag.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+import types
+import typing
 from dataclasses import dataclass
+from typing import Any
+
+REQUIRED: Any = dataclasses.MISSING
+
+
+def flag(default: Any, help: str, choices: list[str] | None = None, **argparse_kwargs: Any):
+    """A ServerArgs field: its default (REQUIRED: none), help text, choices and any other
+    argparse keywords (metavar, ...) for its flag."""
+    metadata = {"help": help, "choices": choices, "argparse": argparse_kwargs}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass
 class ServerArgs:
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 30000
-    max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.8 if sys.platform == "darwin" else 0.5
-    max_running_requests: int = 64
-    max_queued_requests: int = 4096
-    chunked_prefill_size: int = 2048
-    prefill_step_size: int | None = None
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
-    disable_cpu_kernels: bool = False
-    context_length: int | None = None
-    decode_log_interval: int = 40
-    log_level: str = "info"
-    api_key: str | None = None
+    model_path: str = flag(REQUIRED, "local mlx-lm model directory or Hugging Face id")
+    host: str = flag("127.0.0.1", "HTTP bind address")
+    port: int = flag(30000, "HTTP port")
+    max_total_tokens: int | None = flag(
+        None, "KV pool size in tokens (default: auto, free memory x --mem-fraction-static)"
+    )
+    mem_fraction_static: float | None = flag(
+        None,
+        "share of free memory the auto-sized KV pool may take "
+        "(default: the device backend's, 0.8 on a GPU (Metal, CUDA), 0.5 on the CPU)",
+    )
+    max_running_requests: int = flag(64, "decode batch limit")
+    max_queued_requests: int = flag(4096, "requests in flight beyond which new ones get 503")
+    chunked_prefill_size: int = flag(2048, "most prompt tokens computed in one prefill step")
+    prefill_step_size: int | None = flag(
+        None,
+        "worker tokens per prefill forward pass and row "
+        "(default: the device backend's, 256 on the CPU, 2048 on a GPU)",
+    )
+    schedule_policy: str = flag(
+        "lpm", "lpm: longest cached prefix first, fcfs: arrival order", choices=["lpm", "fcfs"]
+    )
+    disable_radix_cache: bool = flag(False, "never reuse a cached prefix")
+    disable_overlap_schedule: bool = flag(
+        False, "never let the worker compute a decode step before it is asked for"
+    )
+    disable_cpu_kernels: bool = flag(
+        False, "on the CPU, keep mlx's own exp and an uncompiled decode step (slower; see docs)"
+    )
+    context_length: int | None = flag(None, "override the model's context length")
+    decode_log_interval: int = flag(40, "log decode throughput every this many decode steps")
+    log_level: str = flag("info", "log level", choices=["debug", "info", "warning", "error"])
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on the HTTP API")
     # browsers may call the API from these origins ("*": any, as vLLM, SGLang and mlx-lm)
-    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
-    max_request_bytes: int = 16 * 1024 * 1024
-    zmq_port: int | None = None
-    transport: str = "ipc"
-    served_model_name: str | None = None
-    debug_invariants: bool = False
-    seed: int = 0
-    trace_dir: str | None = None
+    allowed_origins: list[str] = flag(
+        ["*"],
+        "origins whose web pages may call the HTTP API (CORS); give none to turn CORS off",
+        metavar="ORIGIN",
+    )
+    max_request_bytes: int = flag(16 * 1024 * 1024, "largest HTTP request body accepted")
+    zmq_port: int | None = flag(
+        None, "TCP port of the SDK front door on --host (default: HTTP port + 1)"
+    )
+    transport: str = flag(
+        "ipc",
+        "how the router, scheduler and worker talk (ipc sockets or tcp on loopback)",
+        choices=["ipc", "tcp"],
+    )
+    served_model_name: str | None = flag(
+        None, "the model id the API reports and accepts (default: the model path)"
+    )
+    debug_invariants: bool = flag(False, "check KV bookkeeping every step")
+    seed: int = flag(0, "seed of the worker's sampling keys for requests without a seed")
+    trace_dir: str | None = flag(
+        None,
+        "append timestamped events of every process there "
+        "(python -m benchmarks.trace_report DIR reads them)",
+    )
 
     def validate(self) -> None:
         """Raise ValueError with the flag name for a value that cannot work."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{flag_name(f)} must be one of {', '.join(choices)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("--max-total-tokens must be >= 2")
-        if not 0 < self.mem_fraction_static <= 1:
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
@@ -51,92 +106,61 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be >= 1")
         if self.prefill_step_size is not None and self.prefill_step_size < 1:
             raise ValueError("--prefill-step-size must be >= 1")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise ValueError("--schedule-policy must be lpm or fcfs")
-        if self.transport not in ("ipc", "tcp"):
-            raise ValueError("--transport must be ipc or tcp")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
 
+def flag_name(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """The ServerArgs fields that are `radix-mlx serve` flags."""
+    return [f for f in dataclasses.fields(ServerArgs) if f.metadata.get("cli", True)]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _argparse_kwargs(f: dataclasses.Field, annotation: Any) -> dict[str, Any]:
+    default = _default(f)
+    kw: dict[str, Any] = {"help": f.metadata["help"], **f.metadata["argparse"]}
+    if default is dataclasses.MISSING:
+        kw["required"] = True
+    else:
+        kw["default"] = default
+    if f.metadata["choices"]:
+        kw["choices"] = f.metadata["choices"]
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) and len(args) == 1:
+        annotation = args[0]  # X | None: an X, or the default None
+    if annotation is bool:
+        if default is not False:
+            raise TypeError(f"bool field {f.name} must default to False (a store_true switch)")
+        kw["action"] = "store_true"
+    elif typing.get_origin(annotation) is list:
+        kw["nargs"] = "*"
+        kw["type"] = typing.get_args(annotation)[0]
+    elif annotation in (int, float):
+        kw["type"] = annotation
+    elif annotation is not str:
+        raise TypeError(f"no argparse type for field {f.name}: {annotation}")
+    if not any(default is d for d in (None, False, dataclasses.MISSING)):
+        shown = " ".join(default) if isinstance(default, list) else default
+        kw["help"] += f" (default: {shown})"
+    kw["help"] = kw["help"].replace("%", "%%")  # argparse formats help with %
+    return kw
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    d = ServerArgs(model_path="")
-    a = parser.add_argument
-    a("--model-path", required=True, help="local model directory or Hugging Face id")
-    a("--host", default=d.host, help="HTTP bind address (default 127.0.0.1)")
-    a("--port", type=int, default=d.port, help="HTTP port")
-    a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: auto)")
-    a(
-        "--mem-fraction-static",
-        type=float,
-        default=d.mem_fraction_static,
-        help="share of free memory the auto-sized KV pool may take",
-    )
-    a("--max-running-requests", type=int, default=d.max_running_requests)
-    a(
-        "--max-queued-requests",
-        type=int,
-        default=d.max_queued_requests,
-        help="requests in flight beyond which new ones get 503",
-    )
-    a(
-        "--chunked-prefill-size",
-        type=int,
-        default=d.chunked_prefill_size,
-        help="most prompt tokens computed in one prefill step",
-    )
-    a(
-        "--prefill-step-size",
-        type=int,
-        default=None,
-        help="worker tokens per prefill forward pass and row (default 256 on CPU, 2048 on Metal)",
-    )
-    a("--schedule-policy", choices=["lpm", "fcfs"], default=d.schedule_policy)
-    a("--disable-radix-cache", action="store_true", help="never reuse a cached prefix")
-    a(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="never let the worker compute a decode step before it is asked for",
-    )
-    a(
-        "--disable-cpu-kernels",
-        action="store_true",
-        help="on the CPU, keep mlx's own exp and an uncompiled decode step (slower; see docs)",
-    )
-    a("--context-length", type=int, default=None, help="override the model's context length")
-    a("--decode-log-interval", type=int, default=d.decode_log_interval)
-    a("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the HTTP API")
-    a(
-        "--allowed-origins",
-        nargs="*",
-        default=d.allowed_origins,
-        metavar="ORIGIN",
-        help="origins whose web pages may call the HTTP API (CORS; default '*', none: off)",
-    )
-    a("--max-request-bytes", type=int, default=d.max_request_bytes)
-    a(
-        "--zmq-port",
-        type=int,
-        default=None,
-        help="TCP port of the SDK front door on --host (default: HTTP port + 1)",
-    )
-    a(
-        "--transport",
-        choices=["ipc", "tcp"],
-        default=d.transport,
-        help="how the router, scheduler and worker talk (ipc sockets or tcp on loopback)",
-    )
-    a("--served-model-name", default=None)
-    a("--debug-invariants", action="store_true", help="check KV bookkeeping every step")
-    a("--seed", type=int, default=d.seed)
-    a(
-        "--trace-dir",
-        default=None,
-        help="append timestamped events of every process there (python -m router.trace_report)",
-    )
+    hints = typing.get_type_hints(ServerArgs)
+    for f in cli_fields():
+        parser.add_argument(flag_name(f), **_argparse_kwargs(f, hints[f.name]))
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
