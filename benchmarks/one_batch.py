@@ -22,16 +22,15 @@ import statistics
 import time
 from pathlib import Path
 
-from common.blas import preload_openblas
+from worker_mlx.backends.blas import preload_openblas
 
 BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
-from worker_mlx import cpu_kernels  # noqa: E402
+from worker_mlx.backends import Backend, select  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
-from worker_mlx.loader import cpu_fast_path, keep_buffers  # noqa: E402
 from worker_mlx.model_probe import probe_kv_layout  # noqa: E402
 from worker_mlx.model_runner import ModelRunner  # noqa: E402
 
@@ -144,16 +143,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from mlx_lm import load
 
     path = args.model_path or str(_preset_model(args.preset))
-    keep_buffers()
+    backend = select(cpu_kernels=not args.disable_cpu_kernels)
     model, _ = load(path)
     layout = probe_kv_layout(model)
-    uninstall = cpu_kernels.install(model) if cpu_fast_path(args.disable_cpu_kernels) else None
-    print(f"model {path}: {layout}, BLAS: {BLAS}, CPU kernels: {'on' if uninstall else 'off'}")
+    uninstall = backend.install(model)
+    print(f"model {path}: {layout}, BLAS: {BLAS}, backend {backend.describe()}")
     try:
-        results = _benchmark(model, layout, args, compiled=uninstall is not None)
+        results = _benchmark(model, layout, args, backend)
     finally:
-        if uninstall:
-            uninstall()  # mlx-lm's own kernels from here on, as users run it
+        uninstall()  # mlx's own kernels and cache limit from here on, as mlx-lm users run it
     for row in results:
         row.update(model=path, blas=BLAS)
     if args.compare_mlx_lm:
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return results
 
 
-def _benchmark(model, layout, args: argparse.Namespace, compiled: bool) -> list[dict]:
+def _benchmark(model, layout, args: argparse.Namespace, backend: Backend) -> list[dict]:
     """A warm-up pass per batch size, then `rounds` benchmark passes with batch sizes in
     turn (so noise spreads over all of them); one row per batch size, its median pass."""
     need = (
@@ -172,7 +170,10 @@ def _benchmark(model, layout, args: argparse.Namespace, compiled: bool) -> list[
         + 64
     )
     pool = MlxKVPool(layout, need)
-    runner = ModelRunner(model, pool, model.args.vocab_size, compile_decode=compiled)
+    runner = ModelRunner(
+        model, pool, model.args.vocab_size, prefill_step=backend.prefill_step,
+        compile_decode=backend.compile_decode,
+    )  # fmt: skip
     slots = SlotList(need)
     prefix_slots = _cached_prefix(runner, slots, args)
     prompts = {bs: _prompts(bs, args) for bs in args.batch_size}

@@ -48,16 +48,16 @@ from benchmarks.workloads import (
     spec_from_args,
     standard_suite,
 )
-from common.blas import OPENBLAS_PATHS
 from common.ipc import free_ports
 from common.server_process import ServerProcess
 from router.model_files import load_tokenizer
+from worker_mlx.backends.blas import OPENBLAS_PATHS
 
 BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm")
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
 # mlx_lm.server with OpenBLAS loaded first, as radix-mlx's worker does: same BLAS for both.
 MLX_LM_MAIN = (
-    "from common.blas import preload_openblas; preload_openblas(); import runpy; "
+    "from worker_mlx.backends.blas import preload_openblas; preload_openblas(); import runpy; "
     "runpy.run_module('mlx_lm.server', run_name='__main__', alter_sys=True)"
 )
 

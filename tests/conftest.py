@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from common.blas import preload_openblas
+from worker_mlx.backends.blas import preload_openblas
 
 preload_openblas()  # before anything imports mlx
 

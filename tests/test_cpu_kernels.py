@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import load_model, mlx_greedy
-from worker_mlx import cpu_kernels
-from worker_mlx.cpu_kernels import fast_exp, scaled_dot_product_attention, swiglu
+from worker_mlx.backends import cpu_kernels
+from worker_mlx.backends.cpu_kernels import fast_exp, scaled_dot_product_attention, swiglu
 
 
 def test_fast_exp_is_accurate_over_the_float32_range():

@@ -7,8 +7,8 @@ import mlx.nn as nn
 import pytest
 
 from tests.conftest import load_model
-from worker_mlx import cpu_kernels, cpu_rope
-from worker_mlx.cpu_rope import TableRoPE
+from worker_mlx.backends import cpu_kernels, cpu_rope
+from worker_mlx.backends.cpu_rope import TableRoPE
 
 
 def _stock(x, dims, base, scale, offset):

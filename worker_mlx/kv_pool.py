@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -73,26 +73,28 @@ class MlxKVPool:
 
 
 def available_memory_bytes() -> int:
-    """Memory a new pool may take: Metal's working set on macOS, MemAvailable on Linux."""
-    if sys.platform == "darwin":
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        return int(info["max_recommended_working_set_size"]) - mx.get_active_memory()
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+    """Memory a new pool may take on this device: the selected backend's budget (Metal's
+    working set less the weights, the GPU's free memory on CUDA, MemAvailable on the CPU)."""
+    from worker_mlx.backends import select
+
+    return select().memory_budget()
 
 
-def pool_size(layout: KVLayout, max_total_tokens: int | None, mem_fraction: float) -> int:
-    """Slots for the pool: the flag when given, else free memory × fraction ÷ bytes per slot."""
+def pool_size(
+    layout: KVLayout,
+    max_total_tokens: int | None,
+    mem_fraction: float,
+    budget: int | Callable[[], int] = available_memory_bytes,
+) -> int:
+    """Slots for the pool: the flag when given, else budget × fraction ÷ bytes per slot.
+    `budget` is in bytes, or a function returning them (called only when needed)."""
     if max_total_tokens is not None:
         return max_total_tokens
-    budget = int(available_memory_bytes() * mem_fraction)
-    slots = budget // layout.bytes_per_slot
+    share = int((budget() if callable(budget) else budget) * mem_fraction)
+    slots = share // layout.bytes_per_slot
     if slots > MAX_AUTO_SLOTS:
         logger.info("auto-sized pool capped at %d tokens (pass --max-total-tokens)", MAX_AUTO_SLOTS)
         slots = MAX_AUTO_SLOTS
     if slots < 16:
-        raise RuntimeError(f"not enough memory for a KV pool: {budget} bytes budgeted")
+        raise RuntimeError(f"not enough memory for a KV pool: {share} bytes budgeted")
     return slots

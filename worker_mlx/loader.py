@@ -8,41 +8,28 @@ import mlx.core as mx
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
 from common.server_args import ServerArgs
-from worker_mlx import cpu_kernels
+from worker_mlx.backends import select
 from worker_mlx.kv_pool import MlxKVPool, pool_size
 from worker_mlx.model_probe import probe_kv_layout
-from worker_mlx.model_runner import DEFAULT_PREFILL_STEP, ModelRunner
+from worker_mlx.model_runner import ModelRunner
 
 logger = logging.getLogger("worker")
-
-# MLX keeps freed buffers for reuse up to this many bytes. Its CPU default here is 32 MiB,
-# less than one prefill's attention scores, so every step returned its temporaries to the
-# OS and page-faulted them back: a 1 GiB cache made a 2,048-token prefill 1.3-1.6x faster.
-BUFFER_CACHE_BYTES = 1 << 30
-
-
-def keep_buffers() -> None:
-    """Raise (never lower) MLX's buffer cache to BUFFER_CACHE_BYTES."""
-    current = mx.set_cache_limit(BUFFER_CACHE_BYTES)
-    if current > BUFFER_CACHE_BYTES:
-        mx.set_cache_limit(current)
-
-
-def cpu_fast_path(disabled: bool) -> bool:
-    """Whether to use the CPU kernels and the compiled decode step (see cpu_kernels)."""
-    return not disabled and mx.default_device() == mx.cpu
 
 
 def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     from mlx_lm import load
 
-    keep_buffers()
+    backend = select(cpu_kernels=not args.disable_cpu_kernels)
+    logger.info("backend %s; BLAS: %s", backend.describe(), blas)
     model, tokenizer, config = load(args.model_path, return_config=True)
     layout = probe_kv_layout(model)
-    cpu_path = cpu_fast_path(args.disable_cpu_kernels)
-    if cpu_path:
-        cpu_kernels.install(model)
-    num_slots = pool_size(layout, args.max_total_tokens, args.mem_fraction_static)
+    backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
+    fraction = args.mem_fraction_static or backend.mem_fraction
+    budget, sizing = 0, "--max-total-tokens"
+    if args.max_total_tokens is None:
+        budget = backend.memory_budget()
+        sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
+    num_slots = pool_size(layout, args.max_total_tokens, fraction, budget)
     pool = MlxKVPool(layout, num_slots)
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
@@ -59,21 +46,22 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         context_len,
     )
     logger.info(
-        "KV pool: %d tokens x %d bytes = %.1f MiB; BLAS: %s",
+        "KV pool: %d tokens x %d bytes = %.1f MiB (%s)",
         num_slots,
         layout.bytes_per_slot,
         num_slots * layout.bytes_per_slot / 2**20,
-        blas,
+        sizing,
     )
-    batched = batched_path_works(model, layout, vocab_size, compile_decode=cpu_path)
+    step = args.prefill_step_size or backend.prefill_step
+    compiled = backend.compile_decode
+    batched = batched_path_works(model, layout, vocab_size, compiled, prefill_step=step)
     if not batched:
         logger.warning(
             "this model's attention cannot run batched with per-row offsets: every request "
             "runs as its own batch (correct, but slower)"
         )
-    step = args.prefill_step_size or DEFAULT_PREFILL_STEP
     runner = ModelRunner(
-        model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=cpu_path
+        model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled
     )
     ready = WorkerReady(
         num_slots=num_slots,
@@ -90,7 +78,9 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     return runner, ready
 
 
-def batched_path_works(model, layout, vocab_size: int, compile_decode: bool = False) -> bool:
+def batched_path_works(
+    model, layout, vocab_size: int, compile_decode: bool = False, prefill_step: int = 256
+) -> bool:
     """Run two requests batched and one by one; the batched path must agree to be used.
     (It also traces and JIT-builds the compiled decode step before the first request.)"""
     params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
@@ -98,8 +88,9 @@ def batched_path_works(model, layout, vocab_size: int, compile_decode: bool = Fa
     outputs = []
     for batched in (True, False):
         runner = ModelRunner(
-            model, MlxKVPool(layout, 64), vocab_size, batched=batched, compile_decode=compile_decode
-        )
+            model, MlxKVPool(layout, 64), vocab_size, batched=batched,
+            prefill_step=prefill_step, compile_decode=compile_decode,
+        )  # fmt: skip
         slots = iter(range(1, 65))
         reqs = [
             ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)

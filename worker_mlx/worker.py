@@ -12,7 +12,6 @@ import signal
 import sys
 import traceback
 
-from common.blas import preload_openblas
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -26,6 +25,7 @@ from common.messages import (
 from common.protocol import ProtocolError, decode, encode
 from common.server_args import ServerArgs
 from common.trace import Trace
+from worker_mlx.backends.blas import preload_openblas
 
 logger = logging.getLogger("worker")
 
@@ -68,7 +68,7 @@ def serve(runner, inbox, outbox, trace: Trace) -> None:
             outbox.send(encode(WorkerError(step=-1, message=f"bad frame: {exc}")))
             continue
         step = getattr(msg, "step", -1)
-        trace("recv", step, *(["ahead"] if runner.ahead is not None else []))
+        trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))
         reply = execute(runner, msg)
         trace("done", step)
         if reply is not None:

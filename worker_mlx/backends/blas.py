@@ -4,6 +4,13 @@ OpenBLAS picks its kernels from the CPU model it detects; on CPUs newer than the
 (or behind a hypervisor that hides the model) it falls back to Prescott's SSE3 kernels,
 4-5x slower again. So unless the user chose one, we pick the kernel set from the CPU's
 feature flags, which every hypervisor reports.
+
+This is the one piece of the CPU backend that is not chosen by `backends.select()`: a
+library that replaces mlx's BLAS must be loaded before the first `import mlx`, and
+`select()` needs mlx to ask for the default device. So the worker calls
+`preload_openblas()` first thing, whatever the device. That is harmless on a Linux box
+running mlx's CUDA backend: mlx's CPU ops (and its CPU stream) use the same BLAS there.
+Importing this module does not import mlx (nor does the `backends` package itself).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ def preload_openblas() -> str:
 
     Must run before the first `import mlx`; afterwards it can only report.
     """
-    if sys.platform == "darwin":
+    if sys.platform == "darwin":  # about the OS, not the device: mlx on macOS links Accelerate
         return "Accelerate"
     if "mlx.core" in sys.modules:
         loaded = _loaded_blas()

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from worker_mlx import cpu_rope
+from worker_mlx.backends import cpu_rope
 
 logger = logging.getLogger("worker")
 

@@ -1,0 +1,95 @@
+"""Device backends: what the worker does differently on each device, chosen once.
+
+A backend is a small profile, picked by `select()` from the device mlx computes on
+(`mx.default_device()`) and which GPU backend this mlx was built with, never from the OS:
+a Mac running on its CPU gets the CPU profile, and a Linux box with mlx's CUDA backend
+(`pip install "mlx[cuda12]"`) gets the CUDA one. A profile holds
+
+- `prefill_step`: prompt tokens per forward pass and row, when --prefill-step-size is not
+  given;
+- `mem_fraction`: the share of `memory_budget()` the auto-sized KV pool may take, when
+  --mem-fraction-static is not given;
+- `memory_budget()`: the bytes a new KV pool may take on this device, once the weights are
+  loaded;
+- `compile_decode`: whether the batched decode step is traced by `mx.compile` and replayed.
+  That code is device-neutral (`compiled_decode`); which profiles turn it on is measured;
+- `install(model)`: the device's changes to the process and the model (on the CPU a
+  bigger buffer cache, the vectorised exp and the RoPE table), returning a function that
+  undoes all of them.
+
+Backends: `cpu` (cpu.py), `metal` and `cuda` (gpu.py). The one CPU-specific step that is
+not a profile's is the OpenBLAS preload (blas.py): it must happen before mlx is imported,
+so before the device can be asked. For the same reason nothing in this package's
+`__init__` imports mlx at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Name = Literal["cpu", "metal", "cuda"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: Name
+    prefill_step: int
+    mem_fraction: float
+    compile_decode: bool
+
+    def memory_budget(self) -> int:
+        """Bytes a new KV pool may take on this device now (before `mem_fraction`)."""
+        raise NotImplementedError
+
+    def install(self, model: Any) -> Callable[[], None]:
+        """Apply this backend's changes to the process and `model`; returns their undo."""
+        return _nothing
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        compiled = "compiled" if self.compile_decode else "uncompiled"
+        return f"{self.name}: prefill step {self.prefill_step}, {compiled} decode step"
+
+
+def _nothing() -> None:
+    pass
+
+
+def select(
+    device: Any = None,
+    *,
+    metal: bool | None = None,
+    cuda: bool | None = None,
+    cpu_kernels: bool = True,
+) -> Backend:
+    """The backend for `device` (default: mlx's default device), given whether mlx has a
+    Metal and a CUDA backend (default: ask mlx). Pure given all three, so every case can be
+    checked on any machine. `cpu_kernels=False` (--disable-cpu-kernels) keeps mlx's own exp
+    and RoPE and an uncompiled decode step on the CPU; it changes nothing on a GPU."""
+    import mlx.core as mx
+
+    from worker_mlx.backends import cpu, gpu
+
+    if device is None:
+        device = mx.default_device()
+    if metal is None:
+        metal = _available(mx, "metal")
+    if cuda is None:
+        cuda = _available(mx, "cuda")
+    kind = getattr(device, "type", device)  # a Device or a DeviceType
+    if kind == mx.cpu:
+        return cpu.profile(kernels=cpu_kernels)
+    if metal:
+        return gpu.METAL
+    if cuda:
+        return gpu.CUDA
+    raise RuntimeError(f"mlx computes on {device}, but has neither a Metal nor a CUDA backend")
+
+
+def _available(mx: Any, backend: str) -> bool:
+    """`mx.metal.is_available()` / `mx.cuda.is_available()`, False where this mlx lacks it."""
+    module = getattr(mx, backend, None)
+    is_available = getattr(module, "is_available", None)
+    return bool(is_available()) if is_available is not None else False
