@@ -261,10 +261,10 @@ def test_long_generation_through_the_compiled_step(tiny_model):
     """520 decode steps from short prompts: the compiled step's buffer doubles twice and
     its attention width is retraced every 64 columns, and with at most 3 traces kept the
     step is compiled afresh several times; tokens still match mlx-lm."""
-    from worker_mlx.compiled_decode import attention_width
+    from worker_mlx.decode_step import attention_width
 
     h = Harness(tiny_model, num_slots=2048)
-    step = h.runner.compiled_step
+    step = h.runner.decode_step
     step.max_traces = 3
     rng = random.Random(12)
     prompts = {"a": random_prompt(rng, 5, h.vocab), "b": random_prompt(rng, 30, h.vocab)}
@@ -303,19 +303,22 @@ def test_joining_requests_take_dead_rows(model_path, compile_decode):
     h.extend([h.ereq(rid, prompts[rid]) for rid in "abc"])
     for _ in range(3):
         h.decode()
-    plan = h.runner.decode_plan
+    rows = {rid: h.runner.kv_location(rid).row for rid in "abc"}
+    assert sorted(rows.values()) == [0, 1, 2]
     h.decode(release=[ReleaseReq("b", flush=True)])
-    assert h.runner.decode_plan is plan and plan.rids == ["a", None, "c"]
     h.extend([h.ereq("d", prompts["d"])])
     for _ in range(4):
         h.decode()
-    assert h.runner.decode_plan is plan and plan.rids == ["a", "d", "c"]
+    assert {rid: h.runner.kv_location(rid).row for rid in "adc"} == {
+        "a": rows["a"],
+        "d": rows["b"],
+        "c": rows["c"],
+    }
     h.extend([h.ereq("e", prompts["e"])])  # 60 tokens: more than the buffer's 38 columns
     h.decode()
-    assert h.runner.decode_plan is not plan
-    plan = h.runner.decode_plan
+    assert sorted(h.runner.kv_location(rid).row for rid in "acde") == [0, 1, 2, 3]  # rebuilt
     h.decode(release=[ReleaseReq(rid, flush=True) for rid in "acd"])  # 3 dead rows of 4
-    assert h.runner.decode_plan is not plan and h.runner.decode_plan.rids == ["e"]
+    assert h.runner.kv_location("e").row == 0  # rebuilt for e alone
     for _ in range(3):
         h.decode()
     h.release([ReleaseReq("e", flush=True)])
@@ -326,10 +329,10 @@ def test_joining_requests_take_dead_rows(model_path, compile_decode):
 def test_steady_traffic_keeps_the_decode_buffer_narrow(tiny_model, monkeypatch):
     """One request in, one out, for many steps: the buffer lives on (joiners take dead
     rows), and the left padding every row shares is shifted out instead of growing with
-    each step (without that, `idx` would pass 150 here). Outputs equal mlx-lm's."""
-    from worker_mlx.batch_cache import DecodePlan
+    each step (without that, the buffer would pass 150 columns here). Outputs equal mlx-lm's."""
+    from worker_mlx.decode_buffer import DecodeBuffer
 
-    monkeypatch.setattr(DecodePlan, "COMPACT_COLUMNS", 16)
+    monkeypatch.setattr(DecodeBuffer, "COMPACT_COLUMNS", 16)
     h = Harness(tiny_model)
     rng = random.Random(8)
     prompts, limits = {}, {}
@@ -342,7 +345,7 @@ def test_steady_traffic_keeps_the_decode_buffer_narrow(tiny_model, monkeypatch):
     for i, n in enumerate((6, 9, 12)):
         start(f"r{i}", n)
     h.decode()
-    seen, shifted, started = [], 0, 3
+    widths, started = [], 3
     for _ in range(150):
         done = [rid for rid in h.running if len(h.out[rid]) >= limits[rid]]
         if done:
@@ -352,14 +355,29 @@ def test_steady_traffic_keeps_the_decode_buffer_narrow(tiny_model, monkeypatch):
                 start(f"r{started}", rng.randint(6, 12))
                 started += 1
         h.decode()
-        plan = h.runner.decode_plan
-        if seen and seen[-1][0] is plan and plan.idx < seen[-1][1]:
-            shifted += 1  # the same buffer, narrower: shifted at a reseat
-        seen.append((plan, plan.idx))
-    assert shifted >= 5
-    assert max(idx for _, idx in seen) <= 20 + 12 + 16  # longest context + the threshold
+        widths.append(max(h.runner.kv_location(rid).columns.stop for rid in h.running))
+    assert max(widths) <= 20 + 12 + 16  # longest context + the threshold
     for rid, prompt in prompts.items():
         assert h.out[rid] == reference(h.path, prompt, len(h.out[rid])), rid
+
+
+def test_kv_location_follows_the_deferred_flush(model_path):
+    """Decode KV is in the decode buffer only until an extend (or a release) flushes it;
+    the pool holds everything else, and the pool really holds it then."""
+    h = Harness(model_path)
+    rng = random.Random(14)
+    h.extend([h.ereq("X", random_prompt(rng, 9, h.vocab))])
+    where = h.runner.kv_location("X")
+    assert where.pool_slots == h.slots["X"] and where.buffered_slots == [] and where.row is None
+    for _ in range(5):
+        h.decode()
+    where = h.runner.kv_location("X")
+    assert where.pool_slots == h.slots["X"][:9] and where.buffered_slots == h.slots["X"][9:]
+    assert where.row == 0 and len(where.columns) == 14
+    h.extend([h.ereq("Y", random_prompt(rng, 4, h.vocab))])
+    assert h.runner.kv_location("X").pool_slots == h.slots["X"]
+    assert h.runner.kv_location("X").buffered_slots == []
+    h.assert_pool_holds("X")
 
 
 # ---------------------------------------------------------------- 3. cached prefixes
@@ -427,18 +445,17 @@ def test_same_prompt_again_reads_the_finished_requests_buffer(model_path):
     first, prompt = random_prompt(rng, 30, h.vocab), random_prompt(rng, 40, h.vocab)
     assert generate(h, {"C": first}, 3)["C"] == reference(h.path, first, 3)
     assert generate(h, {"A": prompt}, 5)["A"] == reference(h.path, prompt, 5)
-    buffer = h.runner.decode_plan
-    assert h.runner.kept is not None and h.runner.kept.plan is buffer
+    buffer = h.runner.buffer
 
     h.extend([h.ereq("A2", prompt[-1:], prefix=h.prefix("A", len(prompt) - 1))])
-    assert h.runner.decode_plan is buffer
+    assert h.runner.buffer is buffer
     for _ in range(DECODE_STEPS - 1):
         h.decode()
     assert h.out["A2"] == reference(h.path, prompt, DECODE_STEPS)
 
     h.release([ReleaseReq("A2", flush=True)])
     h.extend([h.ereq("C2", first[-1:], prefix=h.prefix("C", len(first) - 1))])
-    assert h.runner.decode_plan is not buffer  # gathered from the pool
+    assert h.runner.buffer is not buffer  # gathered from the pool
     for _ in range(3):
         h.decode()
     assert h.out["C2"] == reference(h.path, first, 4)

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from worker_mlx.kv_pool import KVLayout
+from worker_mlx.layer_caches import ProbeCache
 
 
 def split_lm_head(model: nn.Module):
@@ -34,29 +35,10 @@ def split_lm_head(model: nn.Module):
     return inner, head
 
 
-class _ProbeCache:
-    """Records the K/V shape one layer produces, so the pool fits any standard attention."""
-
-    offset = 0
-
-    def __init__(self):
-        self.shape: tuple[int, ...] | None = None
-        self.dtype: mx.Dtype | None = None
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if keys.shape[-1] != values.shape[-1]:
-            raise ValueError("keys and values with different head dims are not supported")
-        self.shape, self.dtype = keys.shape, keys.dtype
-        return keys, values
-
-
 def probe_kv_layout(model: nn.Module) -> KVLayout:
     """Run one token through the model with recording caches; raise if it is not standard."""
     layers = model.layers
-    probes = [_ProbeCache() for _ in layers]
+    probes = [ProbeCache() for _ in layers]
     mx.eval(model(mx.array([[0]]), cache=probes))
     if any(p.shape is None for p in probes):
         raise ValueError("model has layers without a standard KV cache")

@@ -1,0 +1,89 @@
+"""Lookahead: work the worker does on a bet about the next descriptor.
+
+Two bets, at most one at a time:
+
+- **A decode step computed ahead.** A decode descriptor with `lookahead` set says the
+  scheduler expects the same requests next. After answering, the worker computes that
+  step (`mx.async_eval`) while the scheduler and router handle this one. Greedy rows
+  without penalties or logprobs only: the step then changes nothing but one buffer column.
+- **A finished request's one-row buffer.** Right after the only running request finishes,
+  its buffer still holds the pool's KV for its slots (nothing has written the pool since),
+  so the same prompt sent again runs its one-token step there without a gather.
+
+The descriptor that was bet on takes the bet (`take_step`, `take_buffer`); every other
+descriptor calls `invalidate()`, which undoes the step's column and forgets the buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from common.messages import DecodeBatch
+from worker_mlx.decode_buffer import DecodeBuffer
+
+
+@dataclass
+class _Step:
+    buffer: DecodeBuffer
+    rids: list[str]
+    tokens: mx.array
+
+
+@dataclass
+class _Kept:
+    buffer: DecodeBuffer
+    slots: list[int]  # the finished request's slots, which the buffer's columns hold
+
+
+class Lookahead:
+    def __init__(self):
+        self.bet: _Step | _Kept | None = None
+        self.wanted: list[str] | None = None  # the rids of the step to compute ahead
+
+    def want_step(self, rids: list[str] | None) -> None:
+        """After a decode: compute the next step of `rids` ahead (None: do not)."""
+        self.wanted = rids
+
+    def placed_step(self, buffer: DecodeBuffer, rids: list[str], tokens: mx.array) -> None:
+        self.bet = _Step(buffer, rids, tokens)
+
+    def keep(self, buffer: DecodeBuffer, slots: list[int]) -> None:
+        """Keep the finished single row's buffer for the next descriptor."""
+        self.invalidate()
+        self.bet = _Kept(buffer, list(slots))
+
+    @property
+    def has_step(self) -> bool:
+        return isinstance(self.bet, _Step)
+
+    def take_step(self, batch: DecodeBatch, buffer: DecodeBuffer | None) -> list[int] | None:
+        """The tokens computed ahead if `batch` is exactly that step; otherwise invalidate."""
+        bet = self.bet
+        if (
+            isinstance(bet, _Step)
+            and not batch.release
+            and batch.rids == bet.rids
+            and bet.buffer is buffer
+        ):
+            self.bet = self.wanted = None
+            return bet.tokens.tolist()
+        self.invalidate()
+        return None
+
+    def take_buffer(self, prefixes: list[list[int]]) -> DecodeBuffer | None:
+        """The kept buffer if it holds the one prefix in `prefixes`; otherwise invalidate."""
+        bet = self.bet
+        if isinstance(bet, _Kept) and len(prefixes) == 1:
+            prefix = prefixes[0]
+            if 0 < len(prefix) <= len(bet.slots) and bet.slots[: len(prefix)] == prefix:
+                self.bet = self.wanted = None
+                return bet.buffer
+        self.invalidate()
+        return None
+
+    def invalidate(self) -> None:
+        if isinstance(self.bet, _Step):
+            self.bet.buffer.unstep()
+        self.bet = self.wanted = None
