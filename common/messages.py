@@ -270,19 +270,33 @@ class ClientAbort:
 
 
 @dataclass
-class ClientResult:
-    """A streamed increment, or the whole answer when `finish_reason` is set."""
+class Output:
+    """What a generation produced: an increment of it (a chunk) or all of it, with
+    `finish_reason` set on the last and usage counted so far. The one output record of
+    the router (HTTP and the SDK front door) and, as ClientResult, of the SDK link;
+    `router.output.OutputAccumulator` merges chunks into wholes.
 
-    rid: str
-    token_ids: list[int]
+    `logprobs` and `top_logprobs` are per output token, 1:1 with `token_ids`: the sampled
+    token's logprob, and its best alternatives as [[token_id, logprob], ...]. Both are
+    None when the request did not ask for them, or when they cannot be aligned with the
+    token ids (a chunk with tokens came without them)."""
+
     text: str
+    token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    # Per token in `token_ids` when the request asked for logprobs (as TokenOut).
     logprobs: list[float] | None = None
     top_logprobs: list[list[Any]] | None = None
+
+
+@dataclass(kw_only=True)
+class ClientResult(Output):
+    """An Output of the SDK request `rid`: a streamed increment, or the whole answer when
+    the request does not stream."""
+
+    rid: str
 
 
 @dataclass

@@ -34,9 +34,11 @@ from common.messages import (
     ClientError,
     ClientGenerate,
     ClientResult,
+    Output,
     SamplingParams,
 )
 from common.protocol import ProtocolError, decode, encode
+from router.output import OutputAccumulator
 
 _SAMPLING_NAMES = {f.name for f in fields(SamplingParams)}
 
@@ -68,8 +70,8 @@ class GenerateResult:
     text: str
     finish_reason: str | None
     usage: Usage
-    # with logprobs=True: per output token, its logprob and the top_logprobs best
-    # alternatives as [[token_id, logprob], ...]
+    # with logprobs=True: per output token, 1:1 with output_ids, its logprob and the
+    # top_logprobs best alternatives as [[token_id, logprob], ...]
     logprobs: list[float] | None = None
     top_logprobs: list[list[Any]] | None = None
 
@@ -80,7 +82,7 @@ class StreamChunk:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    usage: Usage
+    usage: Usage  # counted so far
     logprobs: list[float] | None = None  # per token in token_ids, as GenerateResult's
     top_logprobs: list[list[Any]] | None = None
 
@@ -101,19 +103,27 @@ def _request(
     )
 
 
-def _chunk(msg: ClientResult | ClientError) -> StreamChunk:
+def _checked(msg: ClientResult | ClientError) -> ClientResult:
     if isinstance(msg, ClientError):
         raise RadixMLXError(msg.message, msg.code, msg.status)
-    usage = Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
-    return StreamChunk(
-        msg.rid, msg.token_ids, msg.text, msg.finish_reason, usage, msg.logprobs, msg.top_logprobs
+    return msg
+
+
+def _answer(kind: type, rid: str, out: Output):
+    """A StreamChunk or GenerateResult (the same fields; ids named differently)."""
+    usage = Usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+    return kind(
+        rid, out.token_ids, out.text, out.finish_reason, usage, out.logprobs, out.top_logprobs
     )
 
 
-def _result(c: StreamChunk) -> GenerateResult:
-    return GenerateResult(
-        c.rid, c.token_ids, c.text, c.finish_reason, c.usage, c.logprobs, c.top_logprobs
-    )
+def _whole(rid: str, outputs) -> GenerateResult:
+    """The answers of a request merged, as the server merges chunks (a request that does
+    not stream gets one answer)."""
+    acc = OutputAccumulator()
+    for out in outputs:
+        acc.add(out)
+    return _answer(GenerateResult, rid, acc.output())
 
 
 class Client:
@@ -130,11 +140,11 @@ class Client:
         self, text: str | None = None, *, input_ids=None, rid=None, timeout=None, **sampling
     ) -> GenerateResult:
         req = _request(False, text, input_ids, rid=rid, **sampling)
-        return _result(next(self._run(req, timeout)))
+        return _whole(req.rid, self._run(req, timeout))
 
     def chat(self, messages: list[dict], *, rid=None, timeout=None, **sampling) -> GenerateResult:
         req = _request(False, messages=messages, rid=rid, **sampling)
-        return _result(next(self._run(req, timeout)))
+        return _whole(req.rid, self._run(req, timeout))
 
     def stream(
         self,
@@ -148,22 +158,23 @@ class Client:
     ) -> Iterator[StreamChunk]:
         """Yield increments; closing the iterator early aborts the request."""
         req = _request(True, text, input_ids, messages, rid=rid, **sampling)
-        yield from self._run(req, timeout)
+        for out in self._run(req, timeout):
+            yield _answer(StreamChunk, req.rid, out)
 
     def abort(self, rid: str) -> None:
         if not self._sock.closed:
             self._sock.send(encode(ClientAbort(rid)))
 
-    def _run(self, req: ClientGenerate, timeout: float | None) -> Iterator[StreamChunk]:
+    def _run(self, req: ClientGenerate, timeout: float | None) -> Iterator[ClientResult]:
         timeout = timeout if timeout is not None else self.timeout
         req.api_key = self.api_key
         self._sock.send(encode(req))
         done = False
         try:
             while not done:
-                chunk = _chunk(self._recv(req.rid, timeout))
-                done = chunk.finish_reason is not None
-                yield chunk
+                out = _checked(self._recv(req.rid, timeout))
+                done = out.finish_reason is not None
+                yield out
         finally:
             if not done:
                 self.abort(req.rid)
@@ -216,11 +227,9 @@ class AsyncClient:
         req = _request(False, text, input_ids, messages, rid=rid, **sampling)
         run = self._run(req, timeout)
         try:
-            async for chunk in run:
-                return _result(chunk)
+            return _whole(req.rid, [out async for out in run])
         finally:
             await run.aclose()
-        raise RadixMLXError("stream ended without a result")
 
     async def chat(
         self, messages: list[dict], *, rid=None, timeout=None, **sampling
@@ -239,10 +248,11 @@ class AsyncClient:
     ) -> AsyncIterator[StreamChunk]:
         """Yield increments; leaving early (`aclose`, or garbage collection of the
         iterator after `break`) aborts the request."""
-        run = self._run(_request(True, text, input_ids, messages, rid=rid, **sampling), timeout)
+        req = _request(True, text, input_ids, messages, rid=rid, **sampling)
+        run = self._run(req, timeout)
         try:
-            async for chunk in run:
-                yield chunk
+            async for out in run:
+                yield _answer(StreamChunk, req.rid, out)
         finally:
             await run.aclose()
 
@@ -250,7 +260,7 @@ class AsyncClient:
         if not self._sock.closed:
             await self._sock.send(encode(ClientAbort(rid)))
 
-    async def _run(self, req: ClientGenerate, timeout) -> AsyncIterator[StreamChunk]:
+    async def _run(self, req: ClientGenerate, timeout) -> AsyncIterator[ClientResult]:
         timeout = timeout if timeout is not None else self.timeout
         req.api_key = self.api_key
         if self._reader is None:
@@ -266,9 +276,9 @@ class AsyncClient:
                     msg = await asyncio.wait_for(queue.get(), timeout)
                 except asyncio.TimeoutError:
                     raise RequestTimeout(timeout) from None
-                chunk = _chunk(msg)
-                done = chunk.finish_reason is not None
-                yield chunk
+                out = _checked(msg)
+                done = out.finish_reason is not None
+                yield out
         finally:
             self._queues.pop(req.rid, None)
             if not done:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import uuid
@@ -27,11 +28,13 @@ from common.messages import (
     ClientError,
     ClientGenerate,
     ClientResult,
+    Output,
 )
 from common.protocol import ProtocolError, decode, encode, peek_rid
 from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
 from router.metrics import track_finish
+from router.output import OutputAccumulator
 
 logger = logging.getLogger("router")
 PROBE_INTERVAL = 1.0  # seconds between liveness probes of clients with requests in progress
@@ -95,7 +98,7 @@ class FrontDoor:
         self.aborted.discard(key)
 
     async def _probe_clients(self) -> None:
-        probe = encode(ClientResult(PROBE_RID, [], "", None, 0, 0, 0))
+        probe = encode(_result(PROBE_RID, Output("", [], None, 0, 0, 0)))
         while True:
             await asyncio.sleep(PROBE_INTERVAL)
             for ident in {who for who, _ in self.tasks}:
@@ -114,9 +117,8 @@ class FrontDoor:
             task.cancel()
 
     async def _handle(self, ident: bytes, msg: ClientGenerate) -> None:
-        text, out_ids, prompt_len, cached = "", [], 0, 0
-        logprobs: list[float] | None = [] if msg.sampling.logprobs else None
-        top_logprobs: list[list] | None = [] if msg.sampling.logprobs else None
+        """Answer with each chunk if the request streams, else with the whole output."""
+        acc, prompt_len = OutputAccumulator(), 0
         try:
             ids = self._input_ids(msg)
             prompt_len = len(ids)
@@ -126,45 +128,21 @@ class FrontDoor:
             chunks = track_finish(chunks, self.manager.metrics, rid)
             async with contextlib.aclosing(chunks):
                 async for c in chunks:
-                    text += c.text
-                    out_ids += c.token_ids
-                    cached = c.cached_tokens
-                    if logprobs is not None:
-                        logprobs += c.logprobs or []
-                        top_logprobs += c.top_logprobs or []
+                    acc.add(c)
                     if not msg.stream and c.finish_reason is None:
                         continue
-                    result = ClientResult(
-                        msg.rid,
-                        c.token_ids if msg.stream else out_ids,
-                        c.text if msg.stream else text,
-                        c.finish_reason,
-                        c.prompt_tokens,
-                        len(out_ids),
-                        c.cached_tokens,
-                        c.logprobs if msg.stream else logprobs,
-                        c.top_logprobs if msg.stream else top_logprobs,
-                    )
-                    if not await self._send(ident, result):
+                    if not await self._send(ident, _result(msg.rid, acc.take())):
                         return  # client gone: leaving the loop aborts the request
         except RequestError as exc:
             await self._send(ident, ClientError(msg.rid, exc.message, exc.code, exc.status))
         except asyncio.CancelledError:
             # The generator's cleanup told the scheduler. A ClientAbort gets a last answer
-            # (what was generated so far, finish_reason "abort") so the caller's wait ends.
+            # (what was generated so far and not sent yet, finish_reason "abort") so the
+            # caller's wait ends.
             if (ident, msg.rid) in self.aborted:
-                await self._send(
-                    ident,
-                    ClientResult(
-                        msg.rid,
-                        [] if msg.stream else out_ids,
-                        "" if msg.stream else text,
-                        "abort",
-                        prompt_len,
-                        len(out_ids),
-                        cached,
-                    ),
-                )
+                rest = acc.take()
+                rest = dataclasses.replace(rest, finish_reason="abort", prompt_tokens=prompt_len)
+                await self._send(ident, _result(msg.rid, rest))
 
     def _input_ids(self, msg: ClientGenerate) -> list[int]:
         given = [x is not None for x in (msg.text, msg.input_ids, msg.messages)]
@@ -183,3 +161,8 @@ class FrontDoor:
         except zmq.ZMQError as exc:
             logger.info("SDK client vanished (%s); dropping its request", exc)
             return False
+
+
+def _result(rid: str, output: Output) -> ClientResult:
+    fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(Output)}
+    return ClientResult(rid=rid, **fields)

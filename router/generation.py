@@ -7,26 +7,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from common.messages import SamplingParams
+from common.messages import Output, SamplingParams
 from router.detokenizer import IncrementalDetokenizer
 from router.manager import RequestError, RouterManager
-
-
-@dataclass
-class Chunk:
-    """New text and token ids since the previous chunk; `finish_reason` set on the last."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: list[float] | None = None  # per token in token_ids
-    top_logprobs: list[list[Any]] | None = None  # per token: [[token_id, logprob], ...]
 
 
 class Tokenization:
@@ -105,8 +90,9 @@ async def generate_text(
     sampling: SamplingParams,
     stop: list[str] | None = None,
     rid: str | None = None,
-) -> AsyncIterator[Chunk]:
-    """Stream chunks; a stop string ends the request early (and aborts it upstream)."""
+) -> AsyncIterator[Output]:
+    """Stream chunks (an Output each: new text and token ids, usage so far); a stop string
+    ends the request early (and aborts it upstream)."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
     async with contextlib.aclosing(manager.generate(input_ids, sampling, rid)) as outs:
@@ -118,7 +104,7 @@ async def generate_text(
             text, hit = matcher.feed(text, final=finish is not None)
             if hit:
                 finish = "stop"
-            yield Chunk(
+            yield Output(
                 text,
                 out.token_ids,
                 finish,

@@ -19,7 +19,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from router.generation import Chunk, Tokenization, generate_text
+from common.messages import Output
+from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
 from router.metrics import track_finish
 from router.openai_api import (
@@ -145,7 +146,7 @@ class _Routes:
             raise RequestError(f"token ids must be in [0, {vocab})")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Chunk]:
+    def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
         """The request's chunks of generated text."""
         self.tok.check_ids(ids, sampling)
         stops = req.stop_strings()
@@ -192,7 +193,7 @@ class _Routes:
         def render_at(index: int, ids: list[int]):
             offset = [0]  # text offset of the next token, for logprobs
 
-            def render(c: Chunk, text: str) -> dict:
+            def render(c: Output, text: str) -> dict:
                 lp = None
                 if sampling.logprobs and c.token_ids:
                     lp = completion_logprobs(
@@ -219,7 +220,7 @@ class _Routes:
         sampling = req.sampling(max_new)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def logprobs_of(c: Chunk) -> dict | None:
+        def logprobs_of(c: Output) -> dict | None:
             if not sampling.logprobs or not c.token_ids:
                 return None
             return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
@@ -227,7 +228,7 @@ class _Routes:
         def render_at(index: int, _ids: list[int]):
             first = [True]
 
-            def render_delta(c: Chunk, text: str) -> dict:
+            def render_delta(c: Output, text: str) -> dict:
                 delta = {"content": text}
                 if first[0]:
                     delta["role"], first[0] = "assistant", False
@@ -235,7 +236,7 @@ class _Routes:
                 choice["finish_reason"] = c.finish_reason
                 return self._body(rid, "chat.completion.chunk", created, choice)
 
-            def render_whole(c: Chunk, text: str) -> dict:
+            def render_whole(c: Output, text: str) -> dict:
                 choice = {"index": index, "logprobs": logprobs_of(c)}
                 choice["finish_reason"] = c.finish_reason
                 choice["message"] = {"role": "assistant", "content": text}

@@ -6,7 +6,6 @@ them all upstream."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -15,9 +14,10 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from router.generation import Chunk
+from common.messages import Output
 from router.manager import RequestError
 from router.openai_api import error_body, usage
+from router.output import OutputAccumulator
 
 
 @dataclass
@@ -26,8 +26,8 @@ class Choice:
     with this choice alone), the prompt it answers (usage counts each prompt once) and the
     text echoed before it."""
 
-    chunks: AsyncIterator[Chunk]
-    render: Callable[[Chunk, str], dict]
+    chunks: AsyncIterator[Output]
+    render: Callable[[Output, str], dict]
     prompt: int = 0
     prefix: str = ""
 
@@ -39,42 +39,28 @@ async def collect(request: Request, choices: list[Choice]) -> dict:
         done = await _unless_disconnected(request, asyncio.gather(*tasks))
     finally:
         await _cancel(tasks)  # one failed, or the client left: the others stop too
-    bodies = [body for body, _, _ in done]
+    bodies = [body for body, _ in done]
     body = bodies[0]
     body["choices"] = [b["choices"][0] for b in bodies]
-    body["usage"] = _usage(choices, [last for _, last, _ in done], [n for _, _, n in done])
+    body["usage"] = _usage(choices, [whole for _, whole in done])
     return body
 
 
-async def _collect(choice: Choice) -> tuple[dict, Chunk, int]:
-    texts, ids, logprobs, top, last = [choice.prefix], [], [], [], None
+async def _collect(choice: Choice) -> tuple[dict, Output]:
+    acc = OutputAccumulator()
     async with _closing(choice.chunks):
         async for c in choice.chunks:
-            texts.append(c.text)
-            ids += c.token_ids
-            logprobs = _extend(logprobs, c.logprobs, c.token_ids)
-            top = _extend(top, c.top_logprobs, c.token_ids)
-            last = c
-    text = "".join(texts)
-    whole = dataclasses.replace(last, text=text, token_ids=ids, logprobs=logprobs, top_logprobs=top)
-    return choice.render(whole, text), last, len(ids)
+            acc.add(c)
+    whole = acc.output()
+    return choice.render(whole, choice.prefix + whole.text), whole
 
 
-def _extend(acc: list | None, more: list | None, token_ids: list[int]) -> list | None:
-    """Per-token lists across chunks; None once a chunk with tokens has none."""
-    if acc is None or (more is None and token_ids):
-        return None
-    if more:
-        acc += more
-    return acc
-
-
-def _usage(choices: list[Choice], lasts: list[Chunk], completion: list[int]) -> dict:
+def _usage(choices: list[Choice], wholes: list[Output]) -> dict:
     """Each prompt counted once, however many choices answer it; every completion."""
     first_of = {c.prompt: i for i, c in reversed(list(enumerate(choices)))}
-    prompt = sum(lasts[i].prompt_tokens for i in first_of.values())
-    cached = sum(lasts[i].cached_tokens for i in first_of.values())
-    return usage(prompt, sum(completion), cached)
+    prompt = sum(wholes[i].prompt_tokens for i in first_of.values())
+    cached = sum(wholes[i].cached_tokens for i in first_of.values())
+    return usage(prompt, sum(w.completion_tokens for w in wholes), cached)
 
 
 async def stream(request: Request, choices: list[Choice], include_usage: bool):
@@ -95,29 +81,22 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
         raise
 
     async def events():
-        lasts, sent = list(firsts), [len(f.token_ids) for f in firsts]
-        held: list[Chunk | None] = [None] * len(choices)
+        accs = [OutputAccumulator() for _ in choices]
         merged = _interleaved([c.chunks for c in choices])
         try:
-            for choice, first in zip(choices, firsts):
+            for choice, acc, first in zip(choices, accs, firsts):
                 if choice.prefix:
-                    yield _event(
-                        choice.render(Chunk(choice.prefix, [], None, 0, 0, 0), choice.prefix)
-                    )
-                yield _event(choice.render(first, first.text))
+                    yield _event(choice.render(_textual(choice.prefix), choice.prefix))
+                acc.add(first)
+                yield _event(_increment(choice, acc))
             async for i, c in merged:
-                lasts[i] = c
-                sent[i] += len(c.token_ids)
-                if held[i] is not None:
-                    c, held[i] = _merge(held[i], c), None
-                if not c.text and c.finish_reason is None:
-                    held[i] = c
-                    continue
-                yield _event(choices[i].render(c, c.text))
+                accs[i].add(c)
+                if c.text or c.finish_reason is not None:
+                    yield _event(_increment(choices[i], accs[i]))
             if include_usage:
-                body = choices[0].render(lasts[0], "")
+                body = choices[0].render(_textual(""), "")
                 body["choices"] = []
-                body["usage"] = _usage(choices, lasts, sent)
+                body["usage"] = _usage(choices, [acc.output() for acc in accs])
                 yield _event(body)
         except RequestError as exc:
             yield _event(error_body(exc.message, exc.code, exc.status))
@@ -132,7 +111,9 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
     )
 
 
-async def _interleaved(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+async def _interleaved(
+    streams: list[AsyncIterator[Output]],
+) -> AsyncIterator[tuple[int, Output]]:
     """(index, chunk) of several streams as they come; one stream is read directly."""
     if len(streams) == 1:
         async for c in streams[0]:
@@ -140,7 +121,7 @@ async def _interleaved(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tup
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, chunks: AsyncIterator[Chunk]) -> None:
+    async def pump(i: int, chunks: AsyncIterator[Output]) -> None:
         try:
             async for c in chunks:
                 await queue.put((i, c))
@@ -163,21 +144,15 @@ async def _interleaved(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tup
         await _cancel(pumps)
 
 
-def _merge(a: Chunk, b: Chunk) -> Chunk:
-    """`b` with the text, tokens and logprobs of the held-back `a` in front."""
+def _increment(choice: Choice, acc: OutputAccumulator) -> dict:
+    """The choice's chunks since its previous event, as one."""
+    part = acc.take()
+    return choice.render(part, part.text)
 
-    def cat(x, y):
-        x = [] if x is None and not a.token_ids else x
-        y = [] if y is None and not b.token_ids else y
-        return None if x is None or y is None else x + y
 
-    return dataclasses.replace(
-        b,
-        text=a.text + b.text,
-        token_ids=a.token_ids + b.token_ids,
-        logprobs=cat(a.logprobs, b.logprobs),
-        top_logprobs=cat(a.top_logprobs, b.top_logprobs),
-    )
+def _textual(text: str) -> Output:
+    """An output of text alone: the echoed prompt, or nothing."""
+    return Output(text, [], None, 0, 0, 0)
 
 
 async def _until_disconnected(request: Request) -> None:
