@@ -149,3 +149,15 @@ def test_blas_preload_can_come_before_mlx():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_platform_checks_stand_in_for_the_device():
+    """The device decides, not the OS: the one `sys.platform` left in worker_mlx is blas.py's,
+    which is about the OS (mlx on macOS links Accelerate whatever the device)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "worker_mlx"
+    found = [
+        str(p.relative_to(root)) for p in root.rglob("*.py") if "sys.platform" in p.read_text()
+    ]
+    assert found == ["backends/blas.py"]

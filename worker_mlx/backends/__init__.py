@@ -12,7 +12,7 @@ a Mac running on its CPU gets the CPU profile, and a Linux box with mlx's CUDA b
 - `memory_budget()`: the bytes a new KV pool may take on this device, once the weights are
   loaded;
 - `compile_decode`: whether the batched decode step is traced by `mx.compile` and replayed.
-  That code is device-neutral (`compiled_decode`); which profiles turn it on is measured;
+  That code is device-neutral (`decode_step`); which profiles turn it on is measured;
 - `install(model)`: the device's changes to the process and the model (on the CPU a
   bigger buffer cache, the vectorised exp and the RoPE table), returning a function that
   undoes all of them.

@@ -7,7 +7,7 @@ element-by-element fallbacks), and the default buffer cache already spans the de
 Prefill step 2048: on a GPU attention does not materialise the score matrix, so bigger
 forward passes fill the device better (the value Metal has always used; on CUDA it is
 unmeasured). `compile_decode` is False for both: the compiled decode step
-(`compiled_decode`) is device-neutral code, but it has only been measured on the CPU,
+(`decode_step`) is device-neutral code, but it has only been measured on the CPU,
 where building the graph was 30% of a batch-8 step; turn it on here once it is measured on
 the device. The KV pool may take 80% of the budget, the share Metal has always used (on
 CUDA, unmeasured).
