@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -72,25 +71,14 @@ class MlxKVPool:
         return self.k + self.v
 
 
-def available_memory_bytes() -> int:
-    """Memory a new pool may take on this device: the selected backend's budget (Metal's
-    working set less the weights, the GPU's free memory on CUDA, MemAvailable on the CPU)."""
-    from worker_mlx.backends import select
-
-    return select().memory_budget()
-
-
 def pool_size(
-    layout: KVLayout,
-    max_total_tokens: int | None,
-    mem_fraction: float,
-    budget: int | Callable[[], int] = available_memory_bytes,
+    layout: KVLayout, max_total_tokens: int | None, mem_fraction: float, budget: int
 ) -> int:
-    """Slots for the pool: the flag when given, else budget × fraction ÷ bytes per slot.
-    `budget` is in bytes, or a function returning them (called only when needed)."""
+    """Slots for the pool: the flag when given, else `budget` bytes × fraction ÷ bytes per
+    slot (the budget is the device backend's `memory_budget()`)."""
     if max_total_tokens is not None:
         return max_total_tokens
-    share = int((budget() if callable(budget) else budget) * mem_fraction)
+    share = int(budget * mem_fraction)
     slots = share // layout.bytes_per_slot
     if slots > MAX_AUTO_SLOTS:
         logger.info("auto-sized pool capped at %d tokens (pass --max-total-tokens)", MAX_AUTO_SLOTS)
