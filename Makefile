@@ -63,6 +63,7 @@ format: setup
 bench: setup
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.scheduler_micro
+	$(PY) -m benchmarks.hop
 	$(PY) -m benchmarks.one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64 --rounds 5 --compare-mlx-lm
 	$(PY) -m benchmarks.serving --suite standard
 
