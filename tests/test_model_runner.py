@@ -788,3 +788,22 @@ def test_bad_descriptors_raise_and_leave_runner_usable(tiny_model):
         h.decode()
     assert h.out["X"] == reference(tiny_model, x, 8)
     assert h.out["Y"] == reference(tiny_model, y, 6)
+
+
+def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
+    """Probe, extend and decode-step caches are what mlx-lm layers call: one protocol."""
+    import mlx.core as mx
+
+    from worker_mlx.kv_pool import MlxKVPool
+    from worker_mlx.layer_caches import LayerCache, ProbeCache, StepCache
+    from worker_mlx.model_probe import probe_kv_layout
+    from worker_mlx.prefill import ExtendPlan
+
+    pool = MlxKVPool(probe_kv_layout(load_model(tiny_model)[0]), 16)
+    extend = ExtendPlan(pool, [[1, 2]], [3], [[3, 4, 5]]).layer_caches()
+    kv = mx.zeros((1, 2, 8, 4))
+    zero = mx.array([0])
+    step = StepCache(zero, mx.array([True]), zero, kv, kv, 8)
+    for cache in [ProbeCache(), *extend, step]:
+        assert isinstance(cache, LayerCache), type(cache).__name__
+    assert not isinstance(object(), LayerCache)

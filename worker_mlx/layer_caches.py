@@ -16,7 +16,7 @@ class says what its layers see, and `make_mask` is where a window would be honou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import mlx.core as mx
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from worker_mlx.prefill import ExtendPlan
 
 
+@runtime_checkable
 class LayerCache(Protocol):
     """What an mlx-lm attention layer needs from its cache."""
 

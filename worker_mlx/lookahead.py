@@ -40,13 +40,14 @@ class _Kept:
 class Lookahead:
     def __init__(self):
         self.bet: _Step | _Kept | None = None
-        self.wanted: list[str] | None = None  # the rids of the step to compute ahead
+        self.next_step: list[str] | None = None  # the rids of the step to compute ahead
 
-    def want_step(self, rids: list[str] | None) -> None:
-        """After a decode: compute the next step of `rids` ahead (None: do not)."""
-        self.wanted = rids
+    def expect_step(self, rids: list[str] | None) -> None:
+        """After a decode: the next step of `rids` is to be computed ahead (None: not)."""
+        self.next_step = rids
 
-    def placed_step(self, buffer: DecodeBuffer, rids: list[str], tokens: mx.array) -> None:
+    def computed_step(self, buffer: DecodeBuffer, rids: list[str], tokens: mx.array) -> None:
+        """The step of `rids` was computed ahead on `buffer` (its column written)."""
         self.bet = _Step(buffer, rids, tokens)
 
     def keep(self, buffer: DecodeBuffer, slots: list[int]) -> None:
@@ -58,16 +59,11 @@ class Lookahead:
     def has_step(self) -> bool:
         return isinstance(self.bet, _Step)
 
-    def take_step(self, batch: DecodeBatch, buffer: DecodeBuffer | None) -> list[int] | None:
+    def take_step(self, batch: DecodeBatch) -> list[int] | None:
         """The tokens computed ahead if `batch` is exactly that step; otherwise invalidate."""
         bet = self.bet
-        if (
-            isinstance(bet, _Step)
-            and not batch.release
-            and batch.rids == bet.rids
-            and bet.buffer is buffer
-        ):
-            self.bet = self.wanted = None
+        if isinstance(bet, _Step) and not batch.release and batch.rids == bet.rids:
+            self.bet = self.next_step = None
             return bet.tokens.tolist()
         self.invalidate()
         return None
@@ -78,7 +74,7 @@ class Lookahead:
         if isinstance(bet, _Kept) and len(prefixes) == 1:
             prefix = prefixes[0]
             if 0 < len(prefix) <= len(bet.slots) and bet.slots[: len(prefix)] == prefix:
-                self.bet = self.wanted = None
+                self.bet = self.next_step = None
                 return bet.buffer
         self.invalidate()
         return None
@@ -86,4 +82,4 @@ class Lookahead:
     def invalidate(self) -> None:
         if isinstance(self.bet, _Step):
             self.bet.buffer.unstep()
-        self.bet = self.wanted = None
+        self.bet = self.next_step = None

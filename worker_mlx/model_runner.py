@@ -178,9 +178,8 @@ class ModelRunner:
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
         self._check_slots("decode", batch.out_cache_loc)
-        ahead = self.lookahead.take_step(batch, self.buffer)
-        self.release(batch.release)
-        self.lookahead.invalidate()  # a buffer kept by this descriptor's release
+        ahead = self.lookahead.take_step(batch)
+        self.release(batch.release, keep_buffer=False)  # the decode below changes it
         unknown = [rid for rid in batch.rids if rid not in self.reqs]
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
@@ -198,7 +197,7 @@ class ModelRunner:
         can_look = self.batched and all(
             s.sampling.greedy and s.penalty is None and not s.sampling.logprobs for s in states
         )
-        self.lookahead.want_step(list(batch.rids) if batch.lookahead and can_look else None)
+        self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
@@ -233,14 +232,14 @@ class ModelRunner:
     def run_ahead(self) -> None:
         """Start the decode step the last descriptor said comes next (called after the reply
         went out, so it computes while the scheduler works)."""
-        rids, buffer = self.lookahead.wanted, self.buffer
-        self.lookahead.want_step(None)
+        rids, buffer = self.lookahead.next_step, self.buffer
+        self.lookahead.expect_step(None)
         rows = buffer.rows(rids) if rids is not None and buffer is not None else None
         if rows is None:
             return
         tokens = mx.argmax(self._buffer_step(rows), axis=-1)
         mx.async_eval(tokens, buffer.arrays())
-        self.lookahead.placed_step(buffer, rids, tokens)
+        self.lookahead.computed_step(buffer, rids, tokens)
 
     def _sample_and_record(
         self, logits: mx.array, states: list[ReqState], buffers: list[mx.array]
@@ -277,8 +276,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------ release and flush
 
-    def release(self, release: list[ReleaseReq]) -> None:
-        """Flush (finished) or drop (aborted) requests before the scheduler reuses their slots."""
+    def release(self, release: list[ReleaseReq], keep_buffer: bool = True) -> None:
+        """Flush (finished) or drop (aborted) requests before the scheduler reuses their slots.
+        With `keep_buffer`, the buffer of a finished request that ran alone is kept for the
+        same prompt again (see Lookahead)."""
         if not release:
             return
         self.lookahead.invalidate()
@@ -286,7 +287,7 @@ class ModelRunner:
         buffer = self.buffer
         if buffer is not None:
             finished = {r.rid for r in release if r.flush}
-            if len(buffer.rids) == 1 and buffer.rids[0] in finished:
+            if keep_buffer and len(buffer.rids) == 1 and buffer.rids[0] in finished:
                 self.lookahead.keep(buffer, self.reqs[buffer.rids[0]].slots)
             buffer.drop({r.rid for r in release})
         for r in release:
