@@ -807,3 +807,23 @@ def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
     for cache in [ProbeCache(), *extend, step]:
         assert isinstance(cache, LayerCache), type(cache).__name__
     assert not isinstance(object(), LayerCache)
+
+
+def test_a_failed_one_token_extend_leaves_no_request_behind(tiny_model):
+    """A one-token extend (a repeated prompt) whose step raises registers nothing: the
+    same request extended again works and matches mlx-lm."""
+    h = Harness(tiny_model)
+    rng = random.Random(15)
+    prompt = random_prompt(rng, 20, h.vocab)
+    assert generate(h, {"A": prompt}, 3)["A"] == reference(h.path, prompt, 3)
+    req = h.ereq("A2", prompt[-1:], prefix=h.prefix("A", len(prompt) - 1))
+    step = h.runner.decode_step
+    h.runner.decode_step = None  # the step cannot run
+    with pytest.raises(TypeError):
+        h.runner.extend(ExtendBatch(99, [req]))
+    assert "A2" not in h.runner.reqs
+    h.runner.decode_step = step
+    h.extend([req])
+    for _ in range(DECODE_STEPS - 1):
+        h.decode()
+    assert h.out["A2"] == reference(h.path, prompt, DECODE_STEPS)

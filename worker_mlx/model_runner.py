@@ -131,11 +131,10 @@ class ModelRunner:
             rids = [r.rid for r in reqs]
             buffer = DecodeBuffer(self.pool, rids, prefixes, free_columns=2)  # this, the next
         self.buffer = buffer
-        for s in states:
-            self.reqs[s.rid] = s
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
-        buffer.flush(self._slots)  # in the pool now: another prompt may share this token
-        return self._sample_and_record(logits, states, self.pool.arrays())
+        slots = {s.rid: s.slots for s in states}
+        buffer.flush(slots.__getitem__)  # in the pool now: another prompt may share this token
+        return self._start_decoding(logits, states)
 
     def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
         """Sample the extended requests' first tokens; from now on they decode."""
