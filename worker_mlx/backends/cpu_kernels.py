@@ -209,10 +209,9 @@ def _one_query_attention(q: mx.array, keys: mx.array, values: mx.array, mask) ->
 
 
 def install(model: nn.Module) -> Callable[[], None] | None:
-    """Use these kernels for `model` if it runs on the CPU and its mlx-lm module uses the
-    stock functions; returns a function that puts the stock ones back, or None."""
-    if mx.default_device() != mx.cpu:
-        return None
+    """Use these kernels for `model` if its mlx-lm module uses the stock functions; returns
+    a function that puts the stock ones back, or None. The CPU backend calls it: the device
+    was chosen there (`backends.select`)."""
     module = sys.modules.get(type(model).__module__)
     stock = _stock_functions()
     swaps = {
