@@ -123,11 +123,10 @@ def test_gpu_budgets_read_what_mlx_reports(monkeypatch):
 
 def test_pool_sizing_from_a_budget():
     layout = KVLayout(num_layers=2, n_kv_heads=2, head_dim=16, dtype=mx.float16)  # 256 B
-    assert pool_size(layout, None, 0.5, 1 << 20) == (1 << 19) // 256
-    assert pool_size(layout, 123, 0.5, 0) == 123  # --max-total-tokens: no budget needed
-    assert pool_size(layout, None, 1.0, 1 << 40) == MAX_AUTO_SLOTS
+    assert pool_size(layout, 0.5, 1 << 20) == (1 << 19) // 256
+    assert pool_size(layout, 1.0, 1 << 40) == MAX_AUTO_SLOTS
     with pytest.raises(RuntimeError, match="not enough memory"):
-        pool_size(layout, None, 0.5, 1000)
+        pool_size(layout, 0.5, 1000)
 
 
 def test_blas_preload_can_come_before_mlx():

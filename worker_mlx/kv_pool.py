@@ -71,13 +71,9 @@ class MlxKVPool:
         return self.k + self.v
 
 
-def pool_size(
-    layout: KVLayout, max_total_tokens: int | None, mem_fraction: float, budget: int
-) -> int:
-    """Slots for the pool: the flag when given, else `budget` bytes × fraction ÷ bytes per
-    slot (the budget is the device backend's `memory_budget()`)."""
-    if max_total_tokens is not None:
-        return max_total_tokens
+def pool_size(layout: KVLayout, mem_fraction: float, budget: int) -> int:
+    """Slots for an auto-sized pool (no --max-total-tokens): `budget` bytes (the device
+    backend's `memory_budget()`) × fraction ÷ bytes per slot."""
     share = int(budget * mem_fraction)
     slots = share // layout.bytes_per_slot
     if slots > MAX_AUTO_SLOTS:

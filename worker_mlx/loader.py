@@ -25,11 +25,12 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     layout = probe_kv_layout(model)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
     fraction = args.mem_fraction_static or backend.mem_fraction
-    budget, sizing = 0, "--max-total-tokens"
-    if args.max_total_tokens is None:
+    if args.max_total_tokens is not None:
+        num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
+    else:
         budget = backend.memory_budget()
+        num_slots = pool_size(layout, fraction, budget)
         sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
-    num_slots = pool_size(layout, args.max_total_tokens, fraction, budget)
     pool = MlxKVPool(layout, num_slots)
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
