@@ -7,14 +7,15 @@ deterministic for a given seed so builds are reproducible byte for byte.
 
 Usage::
 
-    python -m common.tiny_model OUT [--preset tiny|small] [--arch qwen3|llama] [...]
+    python -m common.tiny_model OUT [--preset tiny|small] [--arch qwen3|gemma3|...] [...]
+
+The families (``--arch``) and their layer layouts are in ``common/tiny_families.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -24,14 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import _get_classes as mlx_lm_model_classes
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from common.tiny_families import FAMILIES, family_config
+from common.tiny_weights import random_weights
 
 logger = logging.getLogger(__name__)
 
 # Bump whenever the builder's output changes, so cached models are rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 CORPUS_PATH = Path(__file__).with_name("tiny_corpus.txt")
 
@@ -47,20 +51,12 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-ARCHES = ("qwen3", "llama", "qwen2", "mistral")
+ARCHES = tuple(FAMILIES)
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128),
     "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768),
 }
-
-_HF_ARCHITECTURES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
-_MLX_MODULES = {"mistral": "llama"}  # mlx-lm serves mistral with its llama module
 
 
 def default_cache_dir() -> Path:
@@ -132,9 +128,7 @@ def _model_config(
     eos_token_id: int,
 ) -> dict[str, Any]:
     """The HF-style ``config.json`` that mlx-lm's ``ModelArgs.from_dict`` reads."""
-    return {
-        "architectures": [_HF_ARCHITECTURES[arch]],
-        "model_type": arch,
+    common = {
         "hidden_size": dims["hidden"],
         "num_hidden_layers": dims["layers"],
         "intermediate_size": dims["intermediate"],
@@ -150,64 +144,19 @@ def _model_config(
         "torch_dtype": "float32",
         "eos_token_id": eos_token_id,
     }
+    return family_config(arch, common)
 
 
-# Init constants, tuned so random models decode greedily into varied, stable tokens:
-# small embeddings keep a token from predicting itself through the residual stream
-# (tied weights otherwise create absorbing "t t t t" loops), sharp attention makes the
-# next token depend on the whole context, and a final-norm gain restores the logit
-# spread so top-2 margins stay far above float rounding noise.
-EMBED_STD = 0.02
-QK_GAIN = 2.0  # q and k each scaled by this: attention scores have std ~QK_GAIN**2
-LOGIT_STD = 3.0
-
-
-def _param_std(name: str, shape: tuple[int, ...], init_scale: float) -> float:
-    """Std of a weight matrix: unit-RMS outputs for projections, small embeddings."""
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-        return init_scale * EMBED_STD
-    gain = QK_GAIN if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
-    return init_scale * gain / float(np.sqrt(shape[1]))
-
-
-def _norm_gain(name: str, hidden: int) -> float:
-    """Constant RMSNorm weight: sharpens q/k (qwen3) and scales the final logits."""
-    if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return QK_GAIN
-    if name == "model.norm.weight":
-        return LOGIT_STD / (float(np.sqrt(hidden)) * EMBED_STD)
-    return 1.0
-
-
-def _random_weights(
-    shapes: dict[str, tuple[int, ...]], hidden: int, seed: int, init_scale: float
-) -> dict[str, np.ndarray]:
-    """Seeded normal init for every parameter; norm weights get constant gains.
-
-    Keys are visited in sorted order so the random stream never depends on dict order.
-    """
-    rng = np.random.Generator(np.random.PCG64(seed))
-    weights = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if name.endswith(".bias"):  # qwen2's q/k/v biases
-            weights[name] = np.zeros(shape, dtype=np.float32)
-        elif len(shape) == 1:
-            weights[name] = np.full(shape, _norm_gain(name, hidden), dtype=np.float32)
-        else:
-            std = np.float32(_param_std(name, shape, init_scale))
-            weights[name] = rng.standard_normal(shape, dtype=np.float32) * std
-    return weights
-
-
-def make_model(config: dict[str, Any], seed: int, init_scale: float) -> Any:
+def make_model(
+    config: dict[str, Any], seed: int, init_scale: float, norm_offset: float = 0.0
+) -> Any:
     """Instantiate the mlx-lm model class for ``config`` and fill in seeded weights."""
-    kind = config["model_type"]
-    module = importlib.import_module(f"mlx_lm.models.{_MLX_MODULES.get(kind, kind)}")
+    model_class, args_class = mlx_lm_model_classes(config)  # the classes mlx_lm.load picks
     mx.random.seed(seed)  # construction draws from mlx's RNG; every value is replaced below
-    model = module.Model(module.ModelArgs.from_dict(config))
+    model = model_class(args_class.from_dict(config))
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    weights = _random_weights(shapes, config["hidden_size"], seed, init_scale)
+    hidden = config.get("text_config", config)["hidden_size"]
+    weights = random_weights(shapes, hidden, seed, init_scale, norm_offset)
     model.update(tree_unflatten([(k, mx.array(v)) for k, v in weights.items()]))
     mx.eval(model.parameters())
     return model
@@ -238,7 +187,8 @@ def build_tiny_model(
     """Write a complete model directory (weights, config, tokenizer) to ``out_dir``.
 
     ``vocab_size`` is the BPE training target; ``config.json`` records the tokenizer's
-    actual size so embeddings and tokenizer always agree.
+    actual size so embeddings and tokenizer always agree.  ``layers`` is raised to the
+    family's ``min_layers`` so its layout has every layer kind.
     """
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
@@ -248,9 +198,10 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tok = write_tokenizer(out, vocab_size, max_position_embeddings)
+    family = FAMILIES[arch]
     dims = dict(
         hidden=hidden,
-        layers=layers,
+        layers=max(layers, family.min_layers),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -265,8 +216,10 @@ def build_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tok[IM_END],
     )
-    model = make_model(config, seed, init_scale)
+    model = make_model(config, seed, init_scale, family.norm_offset)
     weights = dict(tree_flatten(model.parameters()))
+    if config["tie_word_embeddings"]:
+        weights.pop("lm_head.weight", None)  # classes that always make one (Gemma) then tie
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out / "config.json", config)
     _write_json(

@@ -67,3 +67,17 @@ def tiny_server(tiny_model, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_arch(model_cache):
+    """Factory: ``tiny_arch("gemma3")`` is that family's tiny model dir, built once per cache.
+
+    The families are ``common.tiny_model.ARCHES`` (see ``common/tiny_families.py``).
+    """
+    from common.tiny_model import ensure_tiny_model
+
+    def build(arch: str, preset: str = "tiny") -> str:
+        return str(ensure_tiny_model(model_cache, preset=preset, arch=arch))
+
+    return build

@@ -1,0 +1,216 @@
+"""The model families the tiny-model builder knows: what each mlx-lm class needs in its config.
+
+Each family turns the builder's common ``config.json`` keys (hidden size, layers, heads,
+...) into the config its mlx-lm model class reads, with the family's defining features
+shrunk to test size: windows of 16 tokens, four experts, a few recurrent heads.  Layer
+layouts are chosen so every layer kind of the family occurs, and a kind that the real
+models repeat (Gemma's local layers, Qwen3.5's linear layers) occurs more than once in a
+row.  ``min_layers`` raises the preset's layer count where the layout needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SLIDING_WINDOW = 16  # tests need prompts several windows long; 16 keeps them cheap
+N_EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+SSM_STATE_SIZE = 16
+CONV_KERNEL = 4
+
+Config = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one ``--arch``: its HF class name and its config on top of the common keys."""
+
+    architecture: str
+    model_type: str
+    extend: Callable[[Config], Config] = field(default=lambda c: c)
+    min_layers: int = 1
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by 1 + weight
+
+
+def _sliding_window(config: Config) -> Config:
+    """Mistral-style window via the layer types mlx-lm's llama reads.
+
+    mlx-lm's llama module needs at least one full-attention layer (it takes that layer's
+    mask), so every layer but the last is windowed.
+    """
+    layers = config["num_hidden_layers"]
+    return {
+        **config,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
+    }
+
+
+def _gemma3(config: Config) -> Config:
+    """Gemma 3 text: layer i is global when (i + 1) % pattern == 0, so 4 layers are L L G L."""
+    return {
+        **config,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 3,
+        "query_pre_attn_scalar": config["head_dim"],
+        "rope_local_base_freq": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _gpt_oss(config: Config) -> Config:
+    """gpt-oss: alternating sliding and full layers, attention sinks, a top-2-of-4 MoE."""
+    layers = config["num_hidden_layers"]
+    return {
+        **config,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "num_local_experts": N_EXPERTS,
+        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "tie_word_embeddings": False,  # mlx-lm's gpt_oss always has its own lm_head
+        # Plain RoPE, said explicitly: transformers' GptOssConfig otherwise assumes YaRN.
+        "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+    }
+
+
+def _deepseek_v3(config: Config) -> Config:
+    """Multi-head latent attention: the cache holds a latent (keys) and a RoPE part (values).
+
+    Their widths, ``kv_lora_rank`` and ``qk_rope_head_dim``, differ.  Layer 0 is dense,
+    the rest are MoE with one shared expert.
+    """
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    return {
+        **config,
+        "kv_lora_rank": hidden // 2,
+        "q_lora_rank": hidden // 2,
+        "qk_rope_head_dim": head_dim // 2,
+        "qk_nope_head_dim": head_dim,
+        "v_head_dim": head_dim,
+        "num_key_value_heads": config["num_attention_heads"],
+        "n_routed_experts": N_EXPERTS,
+        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": config["intermediate_size"] // 2,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,  # mlx-lm's deepseek_v3 always has its own lm_head
+    }
+
+
+def _moe(config: Config) -> Config:
+    """Qwen3-MoE keys: every layer sparse, top-2 of 4 experts."""
+    return {
+        **config,
+        "num_experts": N_EXPERTS,
+        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": config["intermediate_size"] // 2,
+        "norm_topk_prob": True,
+    }
+
+
+def _gated_delta(config: Config) -> Config:
+    """Qwen3-Next / Qwen3.5 hybrid keys: gated-delta linear layers, every 4th layer full.
+
+    With fewer than 4 layers the last one is the full-attention layer.
+    """
+    layers = config["num_hidden_layers"]
+    interval = min(4, layers)
+    head_dim = config["head_dim"]
+    return {
+        **config,
+        "full_attention_interval": interval,
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        "linear_num_key_heads": config["num_key_value_heads"],
+        "linear_num_value_heads": config["num_attention_heads"],
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_conv_kernel_dim": CONV_KERNEL,
+        "partial_rotary_factor": 0.25,
+    }
+
+
+def _qwen3_next(config: Config) -> Config:
+    """Qwen3-Next: the gated-delta hybrid with a MoE (plus a shared expert) in every layer."""
+    return {
+        **_moe(_gated_delta(config)),
+        "shared_expert_intermediate_size": config["intermediate_size"] // 2,
+    }
+
+
+def _qwen3_5(config: Config) -> Config:
+    """Qwen3.5 as its HF checkpoints ship it: the language model's keys under ``text_config``."""
+    text = _gated_delta(config)
+    text["model_type"] = "qwen3_5_text"
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": config["rope_theta"],
+        "partial_rotary_factor": text.pop("partial_rotary_factor"),
+    }
+    top = ("architectures", "model_type", "tie_word_embeddings", "eos_token_id", "torch_dtype")
+    return {**{k: config[k] for k in top}, "text_config": text}
+
+
+def _nemotron_h(config: Config) -> Config:
+    """Nemotron-H: Mamba-2 mixer layers, then one attention layer, each followed by an MLP.
+
+    mlx-lm builds one block per pattern character (M mamba, * attention, - MLP), so
+    2 layers are the 4 blocks ``M-*-``.
+    """
+    layers = config["num_hidden_layers"]
+    mixers = ["M"] * (layers - 1) + ["*"]
+    pattern = "".join(m + "-" for m in mixers)
+    hidden = config["hidden_size"]
+    return {
+        **config,
+        "num_hidden_layers": len(pattern),
+        "hybrid_override_pattern": pattern,
+        "mamba_num_heads": 2 * hidden // config["head_dim"],  # Mamba's expand = 2
+        "mamba_head_dim": config["head_dim"],
+        "n_groups": 2,
+        "ssm_state_size": SSM_STATE_SIZE,
+        "conv_kernel": CONV_KERNEL,
+        "mamba_proj_bias": False,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "mlp_bias": False,
+        "layer_norm_epsilon": config["rms_norm_eps"],
+        "time_step_limit": [0.0, float("inf")],
+        "tie_word_embeddings": False,
+    }
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3": Family("Qwen3ForCausalLM", "qwen3"),
+    "llama": Family("LlamaForCausalLM", "llama"),
+    "qwen2": Family("Qwen2ForCausalLM", "qwen2"),
+    "mistral": Family("MistralForCausalLM", "mistral"),
+    "mistral_swa": Family("MistralForCausalLM", "mistral", _sliding_window, min_layers=3),
+    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", _gemma3, min_layers=4, norm_offset=1.0),
+    "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss, min_layers=2),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3, min_layers=2),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _moe),
+    "qwen3_5": Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _qwen3_5, min_layers=4),
+    "qwen3_next": Family("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next, min_layers=2),
+    "nemotron_h": Family("NemotronHForCausalLM", "nemotron_h", _nemotron_h, min_layers=2),
+}
+
+
+def family_config(arch: str, common: Config) -> Config:
+    """The ``config.json`` for ``arch``, from the builder's common keys."""
+    family = FAMILIES[arch]
+    base = {**common, "architectures": [family.architecture], "model_type": family.model_type}
+    return family.extend(base)
