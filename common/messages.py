@@ -16,6 +16,8 @@ from typing import Any
 
 # ---------------------------------------------------------------- sampling
 
+GRAMMAR_KINDS = ("", "json_schema", "regex", "lark", "ebnf")
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +38,10 @@ class SamplingParams:
     top_logprobs: int = 0
     # token id (a decimal string, as in OpenAI's JSON) -> added to its logit, in [-100, 100]
     logit_bias: dict[str, float] = field(default_factory=dict)
+    # Constrained decoding (common/grammar_spec.py): the kind of `grammar` ("" for none,
+    # or one of GRAMMAR_KINDS) and its source text; the worker masks every step with it.
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):  # the SDK's int keys as the wire's strings
@@ -70,6 +76,8 @@ class SamplingParams:
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
         self.bias_by_token(vocab_size)
+        if self.grammar_kind not in GRAMMAR_KINDS or bool(self.grammar_kind) != bool(self.grammar):
+            raise ValueError(f"grammar_kind must be one of {GRAMMAR_KINDS[1:]} with a grammar")
 
     def bias_by_token(self, vocab_size: int | None = None) -> dict[int, float]:
         """`logit_bias` with int token ids; ValueError naming the first bad entry."""

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from common.messages import Output, SamplingParams
+from router.chat_format import ChatFormat, template_messages
 from router.detokenizer import IncrementalDetokenizer
 from router.manager import RequestError, RouterManager
 
@@ -20,18 +21,25 @@ class Tokenization:
     def __init__(self, tokenizer, manager: RouterManager):
         self.tokenizer = tokenizer
         self.manager = manager
+        self.chat_format = ChatFormat.of(tokenizer)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
+        return self.encode_text(self.render_chat(messages, tools, template_kwargs))
+
+    def render_chat(self, messages: list[dict], tools=None, template_kwargs=None) -> str:
+        """The chat as prompt text: its template, given the tools and the template's
+        arguments (`chat_template_kwargs`, thinking on by default where the model thinks)."""
+        kwargs = self.chat_format.template_kwargs(template_kwargs)
+        chat = template_messages(text_messages(messages))
         try:
-            prompt = self.tokenizer.apply_chat_template(
-                text_messages(messages), tokenize=False, add_generation_prompt=True
+            return self.tokenizer.apply_chat_template(
+                chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
             )
         except Exception as exc:  # jinja raises many kinds
             raise RequestError(f"cannot render the chat template: {exc}") from None
-        return self.encode_text(prompt)
 
     def check_ids(self, input_ids: list[int], sampling: SamplingParams) -> None:
         vocab = len(self.tokenizer)

@@ -20,6 +20,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from common.messages import Output
+from router.chat_response import ChatPrompt, chat_renderer
+from router.constraints import (
+    after_thinking,
+    check_tools,
+    output_grammar,
+    tool_choice,
+    tool_grammar,
+)
 from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
 from router.metrics import track_finish
@@ -187,7 +195,8 @@ class _Routes:
     async def completions(self, req: CompletionRequest, request: Request):
         self._check(req)
         prompts = self._prompts(req.prompt)
-        sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16)
+        grammar = output_grammar(req.response_format, req.regex, req.ebnf)
+        sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16, grammar)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def render_at(index: int, ids: list[int]):
@@ -210,14 +219,26 @@ class _Routes:
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check(req)
-        ids = self.tok.encode_chat(req.messages)
+        fmt = self.tok.chat_format
+        tools = check_tools(fmt, req.tools)
+        parse_tools, forced = tool_choice(req.tool_choice, tools)
+        text = self.tok.render_chat(req.messages, tools, req.chat_template_kwargs)
+        ids = self.tok.encode_text(text)
+        prompt = ChatPrompt(fmt, tools if parse_tools else None, fmt.starts_thinking(text))
+        grammar = output_grammar(req.response_format, req.regex, req.ebnf)
+        if forced:
+            if grammar:
+                raise RequestError("a tool_choice that forces a call takes no output format")
+            grammar = tool_grammar(fmt, tools, forced, prompt.thinking)
+        elif grammar and prompt.thinking:
+            grammar = after_thinking(fmt, grammar)
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
         if max_new is None:  # as much as fits in the context and in the KV pool
             room = min(self.manager.context_len, self.manager.ready.num_slots) - len(ids)
             max_new = max(1, room)
-        sampling = req.sampling(max_new)
+        sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(c: Output) -> dict | None:
@@ -226,24 +247,10 @@ class _Routes:
             return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
 
         def render_at(index: int, _ids: list[int]):
-            first = [True]
+            def body(kind: str, choice: dict) -> dict:
+                return self._body(rid, kind, created, choice)
 
-            def render_delta(c: Output, text: str) -> dict:
-                delta = {"content": text}
-                if first[0]:
-                    delta["role"], first[0] = "assistant", False
-                choice = {"index": index, "delta": delta, "logprobs": logprobs_of(c)}
-                choice["finish_reason"] = c.finish_reason
-                return self._body(rid, "chat.completion.chunk", created, choice)
-
-            def render_whole(c: Output, text: str) -> dict:
-                choice = {"index": index, "logprobs": logprobs_of(c)}
-                choice["finish_reason"] = c.finish_reason
-                choice["message"] = {"role": "assistant", "content": text}
-                choice["token_ids"] = c.token_ids
-                return self._body(rid, "chat.completion", created, choice)
-
-            return (render_delta if req.stream else render_whole), ""
+            return chat_renderer(prompt, index, bool(req.stream), body, logprobs_of), ""
 
         return await _respond(req, request, self._choices(req, [ids], sampling, rid, render_at))
 

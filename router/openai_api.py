@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from common.byte_level import byte_level_alphabet, is_byte_level
 from common.messages import SamplingParams
 
 
@@ -39,6 +39,10 @@ class _Common(BaseModel):
     ignore_eos: StrictBool | None = False
     n: StrictInt | None = None
     user: str | None = None
+    # the output's format: OpenAI's, or SGLang's regex / ebnf extensions
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def unsupported(self) -> str | None:
         return None
@@ -52,8 +56,12 @@ class _Common(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling(self, max_new_tokens: int) -> SamplingParams:
+    def sampling(
+        self, max_new_tokens: int, grammar: tuple[str, str] | None = None
+    ) -> SamplingParams:
+        """`grammar` is (kind, source), see router.constraints."""
         d = SamplingParams()
+        kind, source = grammar or ("", "")
         want_logprobs, top_logprobs = self.logprob_request()
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -70,6 +78,8 @@ class _Common(BaseModel):
             logprobs=want_logprobs,
             top_logprobs=top_logprobs,
             logit_bias=dict(self.logit_bias or {}),
+            grammar_kind=kind,
+            grammar=source,
         )
 
 
@@ -92,13 +102,10 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported yet"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format is not supported yet"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs set to true"
         return super().unsupported()
@@ -150,7 +157,7 @@ class TokenPieces:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.cache: dict[int, tuple[str, list[int]]] = {}
-        self.byte_of = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        self.byte_of = byte_level_alphabet() if is_byte_level(tokenizer) else None
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self.cache.get(token_id)
@@ -166,28 +173,6 @@ class TokenPieces:
                 return raw.decode("utf-8", errors="replace"), list(raw)
         text = self.tokenizer.decode([token_id])
         return text, list(text.encode("utf-8"))
-
-
-def _is_byte_level(tokenizer) -> bool:
-    try:
-        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
-    except Exception:  # a slow tokenizer, or an unusual one
-        return False
-    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    return any((d or {}).get("type") == "ByteLevel" for d in parts)
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: printable symbol -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    symbols, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            symbols[chr(b)] = b
-        else:
-            symbols[chr(256 + extra)] = b
-            extra += 1
-    return symbols
 
 
 def chat_logprobs(token_ids, logprobs, top_logprobs, pieces: TokenPieces) -> dict | None:

@@ -86,7 +86,8 @@ def _extend_req(req: Req, prefix: list[int], locs: list[int], last: bool) -> Ext
     fill = req.fill_ids
     new = fill[len(prefix) : req.num_computed]
     ext = ExtendReq(req.rid, new, prefix, locs, req.sampling, last_chunk=last)
-    if last and req.sampling.penalized:  # the worker needs the whole history for penalties
+    # the worker needs the whole history for penalties, and the outputs for a grammar's state
+    if last and (req.sampling.penalized or req.sampling.grammar_kind):
         ext.context_ids, ext.output_ids = fill[: len(prefix)], list(req.output_ids)
     return ext
 

@@ -38,6 +38,16 @@ def tiny_llama(model_cache) -> str:
     return str(ensure_tiny_model(model_cache, preset="tiny", arch="llama"))
 
 
+@pytest.fixture(scope="session")
+def agent_model(tiny_model, model_cache) -> str:
+    """The tiny model with thinking and tool-call tokens and a tools-aware chat template."""
+    from pathlib import Path
+
+    from tests.agent_model import build_agent_model
+
+    return build_agent_model(tiny_model, Path(model_cache) / "agent-tiny-qwen3")
+
+
 @functools.cache
 def load_model(path: str):
     from mlx_lm import load

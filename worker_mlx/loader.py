@@ -9,6 +9,7 @@ import mlx.core as mx
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
 from common.server_args import ServerArgs
 from worker_mlx.backends import select
+from worker_mlx.grammar import Grammars
 from worker_mlx.kv_pool import MlxKVPool, pool_size
 from worker_mlx.model_probe import probe_kv_layout
 from worker_mlx.model_runner import ModelRunner
@@ -61,9 +62,11 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
             "this model's attention cannot run batched with per-row offsets: every request "
             "runs as its own batch (correct, but slower)"
         )
+    grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     runner = ModelRunner(
-        model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled
-    )
+        model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
+        grammars=grammars,
+    )  # fmt: skip
     ready = WorkerReady(
         num_slots=num_slots,
         model_type=model_type,

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
+from worker_mlx.grammar import Grammars, advance
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
@@ -30,6 +31,7 @@ class ReqState:
     last_token: int
     key: mx.array | None
     penalty: Penalty | None = None
+    grammar: object | None = None  # its llguidance matcher, if the request is constrained
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ModelRunner:
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
+        grammars: Grammars | None = None,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -72,6 +75,7 @@ class ModelRunner:
         self.decode_step = DecodeStep(model, compile=compile_decode)
         self.buffer: DecodeBuffer | None = None
         self.lookahead = Lookahead()
+        self.grammars = grammars
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -169,7 +173,12 @@ class ModelRunner:
     def _new_state(self, r: ExtendReq) -> ReqState:
         key = None if r.sampling.greedy else self.keys.request_key(r.sampling.seed)
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        return ReqState(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.sampling, -1, key, penalty)
+        state = ReqState(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.sampling, -1, key, penalty)
+        if r.sampling.grammar_kind:
+            if self.grammars is None:
+                raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")
+            state.grammar = self.grammars.matcher(r.sampling, r.output_ids)
+        return state
 
     # ------------------------------------------------------------ decode
 
@@ -194,7 +203,8 @@ class ModelRunner:
         for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
         can_look = self.batched and all(
-            s.sampling.greedy and s.penalty is None and not s.sampling.logprobs for s in states
+            s.sampling.greedy and s.penalty is None and not s.sampling.logprobs and not s.grammar
+            for s in states
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
@@ -245,11 +255,16 @@ class ModelRunner:
     ) -> StepOutput:
         """Sample one token per row, overlap host work with the step, record the results."""
         logits = apply_penalties(logits, [s.penalty for s in states])
+        matchers = [s.grammar for s in states]
+        if any(matchers):
+            mx.async_eval(logits)  # the step runs while the masks are computed
+            logits = self.grammars.constrain(logits, matchers)
         next_tok = sample(logits, [s.sampling for s in states], self._step_keys(states))
         top_n = max((s.sampling.top_logprobs for s in states if s.sampling.logprobs), default=-1)
         lp = logprobs(logits, next_tok, top_n) if top_n >= 0 else ()
         mx.async_eval(next_tok, *lp, *buffers)
         out = StepOutput([s.rid for s in states], next_tok.tolist())
+        advance(matchers, out.next_token_ids)
         for s, tok in zip(states, out.next_token_ids):
             s.last_token = tok
             if s.penalty is not None:

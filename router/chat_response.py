@@ -1,0 +1,66 @@
+"""How a chat completion's choice renders: OpenAI's message (or streamed deltas) with the
+answer's content, `reasoning_content` and `tool_calls` split apart (router.chat_output)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.messages import Output
+from router.chat_format import ChatFormat
+from router.chat_output import OutputSplitter, finish_reason
+
+
+@dataclass
+class ChatPrompt:
+    """What the chat's rendering decided: the tools whose calls are parsed (None: the
+    output is text), and whether the output starts inside a thinking block."""
+
+    fmt: ChatFormat
+    tools: list | None
+    thinking: bool
+
+
+def chat_renderer(
+    prompt: ChatPrompt,
+    index: int,
+    stream: bool,
+    body: Callable[[str, dict], dict],
+    logprobs_of: Callable[[Output], dict | None],
+) -> Callable[[Output, str], dict]:
+    """render(chunk, text) -> a response body with this choice; `body(kind, choice)` wraps
+    the choice. Streaming, each call renders the increment since the previous one."""
+    splitter = OutputSplitter(prompt.fmt, prompt.tools, prompt.thinking)
+    first = [True]
+
+    def render_delta(c: Output, text: str) -> dict:
+        calls_before = splitter.calls
+        parts = splitter.feed(text, final=c.finish_reason is not None)
+        delta = {"role": "assistant"} if first[0] else {}
+        first[0] = False
+        if parts.content or not (parts.reasoning or parts.tool_calls):
+            delta["content"] = parts.content
+        if parts.reasoning:
+            delta["reasoning_content"] = parts.reasoning
+        if parts.tool_calls:
+            delta["tool_calls"] = [
+                call.openai(calls_before + i) for i, call in enumerate(parts.tool_calls)
+            ]
+        choice = {"index": index, "delta": delta, "logprobs": logprobs_of(c)}
+        choice["finish_reason"] = finish_reason(c.finish_reason, splitter)
+        return body("chat.completion.chunk", choice)
+
+    def render_whole(c: Output, text: str) -> dict:
+        parts = splitter.feed(text, final=True)
+        message = {"role": "assistant", "content": parts.content}
+        if parts.reasoning:
+            message["reasoning_content"] = parts.reasoning
+        if parts.tool_calls:
+            message["tool_calls"] = [call.openai() for call in parts.tool_calls]
+            message["content"] = parts.content if parts.content.strip() else None
+        choice = {"index": index, "logprobs": logprobs_of(c), "message": message}
+        choice["finish_reason"] = finish_reason(c.finish_reason, splitter)
+        choice["token_ids"] = c.token_ids
+        return body("chat.completion", choice)
+
+    return render_delta if stream else render_whole

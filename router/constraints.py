@@ -1,0 +1,152 @@
+"""A request's output constraint as a grammar for the worker: OpenAI's `response_format`
+(json_object, json_schema), SGLang's `regex` and `ebnf`, and a tool choice that must call
+a tool (`required`, or a named function). Checked by the grammar engine here, so a bad
+one is a 400 naming the problem before anything is scheduled.
+"""
+
+from __future__ import annotations
+
+import json
+
+from common.grammar_spec import JSON_OPTIONS, GrammarError, check
+from router.chat_format import ChatFormat
+from router.manager import RequestError
+
+# Tool-call formats whose calls a grammar can force: start marker, JSON call, end marker.
+_JSON_CALL_FORMATS = {"json_tools"}
+
+
+def output_grammar(response_format: dict | None, regex, ebnf) -> tuple[str, str] | None:
+    """(grammar kind, source) for the request's output format, or None."""
+    asked = []
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        asked.append(("json_schema", json.dumps({"type": "object"})))
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError("response_format.json_schema must be an object with a 'schema'")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict | bool):
+            raise RequestError("response_format.json_schema.schema must be a JSON schema object")
+        asked.append(("json_schema", json.dumps(schema)))
+    elif kind != "text":
+        raise RequestError(
+            f"response_format.type must be text, json_object or json_schema, not {kind!r}"
+        )
+    if regex is not None:
+        asked.append(("regex", _text(regex, "regex")))
+    if ebnf is not None:
+        asked.append(("ebnf", _text(ebnf, "ebnf")))
+    if len(asked) > 1:
+        raise RequestError("give at most one of response_format (json), regex and ebnf")
+    return checked(asked[0]) if asked else None
+
+
+def tool_grammar(
+    fmt: ChatFormat, tools: list[dict], names: list[str], thinking: bool
+) -> tuple[str, str]:
+    """A grammar that makes the model call one of the tools `names` (OpenAI tool dicts);
+    `thinking`: the prompt opened a thinking block, which the grammar closes first."""
+    if fmt.tool_parser_type not in _JSON_CALL_FORMATS:
+        raise RequestError(
+            "this tool choice must be enforced by a grammar, which radix-mlx builds for the "
+            f"{', '.join(sorted(_JSON_CALL_FORMATS))} tool format; this model's is "
+            f"{fmt.tool_parser_type!r}: use tool_choice auto"
+        )
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    calls = []
+    for name in names:
+        if name not in by_name:
+            raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
+        parameters = by_name[name].get("parameters") or {"type": "object"}
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })  # fmt: skip
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    start = _closed_thinking(fmt) if thinking else ""
+    lark = (
+        f"start: {json.dumps(start + fmt.tool_call_start + chr(10))} call "
+        f"{json.dumps(chr(10) + fmt.tool_call_end)}\n"
+        f"call: {_json_rule(schema)}\n"
+    )
+    return checked(("lark", lark))
+
+
+def after_thinking(fmt: ChatFormat, grammar: tuple[str, str]) -> tuple[str, str]:
+    """The grammar for a chat whose prompt opened a thinking block: a JSON answer comes
+    after the block, which the grammar closes first (empty); a regex or EBNF governs the
+    whole output, thinking included."""
+    kind, source = grammar
+    if kind != "json_schema":
+        return grammar
+    answer = _json_rule(json.loads(source))
+    lark = f"start: {json.dumps(_closed_thinking(fmt))} answer\nanswer: {answer}\n"
+    return checked(("lark", lark))
+
+
+def _closed_thinking(fmt: ChatFormat) -> str:
+    return fmt.think_end + "\n\n"
+
+
+def _json_rule(schema: dict | bool) -> str:
+    """A lark rule for JSON of `schema`, compact (see common.grammar_spec)."""
+    schema = {} if schema is True else schema
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
+def check_tools(fmt: ChatFormat, tools: list | None) -> list[dict] | None:
+    """OpenAI function tools, each with a name; RequestError naming the first bad one, or
+    if the model has no tool-call format (as mlx-lm's server refuses them)."""
+    if not tools:
+        return None
+    if not fmt.has_tools:
+        raise RequestError(
+            "this model has no tool-call format mlx-lm knows (its chat template names none), "
+            "so it cannot take tools"
+        )
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise RequestError(f"tools[{i}] must be a function tool")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"tools[{i}].function needs a string 'name'")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def checked(grammar: tuple[str, str]) -> tuple[str, str]:
+    try:
+        check(*grammar)
+    except GrammarError as exc:
+        raise RequestError(str(exc), "invalid_grammar") from None
+    return grammar
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{name} must be a non-empty string")
+    return value
+
+
+def tool_choice(choice, tools: list[dict] | None) -> tuple[bool, list[str] | None]:
+    """(parse the output for tool calls, the tools one of which it must call, if it must)
+    for OpenAI's tool_choice: auto (the default), none, required or a named function."""
+    if choice is None or choice == "auto":
+        return bool(tools), None
+    if choice == "none":
+        return False, None  # the tools stay in the prompt: its cached prefix stays the same
+    if not tools:
+        raise RequestError("tool_choice needs tools")
+    if choice == "required":
+        return True, [t["function"]["name"] for t in tools]
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(
+            "tool_choice must be auto, none, required or {'type': 'function', 'function': {'name'}}"
+        )
+    return True, [name]

@@ -1,0 +1,71 @@
+"""A copy of the tiny model that thinks and calls tools: four tokens added to its
+vocabulary (`<think>`, `</think>`, `<tool_call>`, `</tool_call>`, with embedding rows of
+their own) and a Qwen3-style chat template with tools and `enable_thinking`.
+
+Built in the tests rather than by common/tiny_model.py so the default model stays as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+# Qwen3's template, cut to what the tests use; mlx-lm infers the json_tools parser from it
+# (`<tool_call>` and `tool_call.name`) and the thinking markers from the vocabulary.
+AGENT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Call a function as <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
+    "{% for tool_call in message.tool_calls or [] %}"
+    "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+    '\n<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking %}<think>\n"
+    "{% else %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def build_agent_model(tiny_model: str, out_dir: Path) -> str:
+    import mlx.core as mx
+
+    if (out_dir / "config.json").exists():
+        return str(out_dir)
+    shutil.copytree(tiny_model, out_dir)
+    tok = json.loads((out_dir / "tokenizer.json").read_text())
+    first = 1 + max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])])
+    for i, content in enumerate(AGENT_TOKENS):
+        tok["added_tokens"].append({
+            "id": first + i, "content": content, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": False,
+        })  # fmt: skip
+    (out_dir / "tokenizer.json").write_text(json.dumps(tok))
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = AGENT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    model_config = json.loads((out_dir / "config.json").read_text())
+    weights = mx.load(str(out_dir / "model.safetensors"))
+    name = "model.embed_tokens.weight"
+    extra = mx.random.normal((len(AGENT_TOKENS), weights[name].shape[1]), key=mx.random.key(7))
+    weights[name] = mx.concatenate([weights[name], 0.02 * extra.astype(weights[name].dtype)])
+    assert model_config["vocab_size"] == first and model_config.get("tie_word_embeddings")
+    model_config["vocab_size"] = first + len(AGENT_TOKENS)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
+    (out_dir / "config.json").write_text(json.dumps(model_config, indent=2))
+    return str(out_dir)
