@@ -167,7 +167,8 @@ class SchedulerReady:
 
 @dataclass
 class SchedulerStats:
-    """Periodic gauges and counter deltas for the router's /metrics."""
+    """Gauges and cumulative counters for the router's /metrics, sent whenever they change
+    (at most once per scheduling step) and every 0.5 s."""
 
     num_running: int
     num_queued: int
@@ -175,6 +176,15 @@ class SchedulerStats:
     capacity: int
     evicted_tokens: int
     retracted_requests: int
+
+
+@dataclass
+class WorkerHung:
+    """The worker has not answered step `step` for `seconds` (over --watchdog-timeout):
+    the router kills and restarts it."""
+
+    step: int
+    seconds: float
 
 
 # ---------------------------------------------------------------- scheduler <-> worker
@@ -321,7 +331,7 @@ def _registry(*classes: type) -> dict[str, type]:
 
 SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq)
 SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError)
-ROUTER_INBOX = _registry(TokenOutBatch, ReqError, SchedulerReady, SchedulerStats)
+ROUTER_INBOX = _registry(TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, WorkerHung)
 WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch)
 FRONTDOOR_INBOX = _registry(ClientGenerate, ClientAbort)
 CLIENT_INBOX = _registry(ClientResult, ClientError)

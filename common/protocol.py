@@ -74,14 +74,36 @@ def decode(frame: bytes, registry: dict[str, type]) -> Any:
     return _from_wire(cls, body, tag)
 
 
-def peek_rid(frame: bytes) -> str | None:
-    """Best-effort request id of a frame that failed to decode, so the sender can be told."""
+def _peek(frame: bytes) -> dict:
+    """The map inside a frame that failed to decode, or {} (best effort)."""
     try:
         body = msgpack.unpackb(frame, raw=False)
     except Exception:
-        return None
-    rid = body.get("rid") if isinstance(body, dict) else None
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def peek_rid(frame: bytes) -> str | None:
+    """Best-effort request id of a frame that failed to decode, so the sender can be told."""
+    rid = _peek(frame).get("rid")
     return rid if isinstance(rid, str) else None
+
+
+def peek_step(frame: bytes) -> int:
+    """Best-effort step number of a frame that failed to decode; -1 if it has none."""
+    step = _peek(frame).get("step")
+    return step if type(step) is int else -1
+
+
+def peek_rids(frame: bytes) -> list[str]:
+    """Best-effort request ids a bad frame was about: its `rid`, and those of its
+    `outputs` (a TokenOutBatch), so their callers can be failed instead of left waiting."""
+    body = _peek(frame)
+    rids = [body.get("rid")]
+    outputs = body.get("outputs")
+    if isinstance(outputs, list):
+        rids += [o.get("rid") for o in outputs if isinstance(o, dict)]
+    return [r for r in rids if isinstance(r, str)]
 
 
 def _to_wire(obj: Any) -> Any:

@@ -80,6 +80,15 @@ class ServerArgs:
     served_model_name: str | None = flag(
         None, "the model id the API reports and accepts (default: the model path)"
     )
+    watchdog_timeout: float = flag(
+        300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
+    )
+    graceful_shutdown_timeout: float = flag(
+        30.0, "seconds SIGTERM waits for in-flight requests before stopping (a second stops now)"
+    )
+    max_restarts: int = flag(
+        5, "restarts of a dead or hung worker/scheduler allowed within 10 minutes, then exit 1"
+    )
     debug_invariants: bool = flag(False, "check KV bookkeeping every step")
     seed: int = flag(0, "seed of the worker's sampling keys for requests without a seed")
     trace_dir: str | None = flag(
@@ -106,6 +115,12 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be >= 1")
         if self.prefill_step_size is not None and self.prefill_step_size < 1:
             raise ValueError("--prefill-step-size must be >= 1")
+        if self.watchdog_timeout <= 0:
+            raise ValueError("--watchdog-timeout must be > 0")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if self.max_restarts < 0:
+            raise ValueError("--max-restarts must be >= 0")
 
     @property
     def model_name(self) -> str:

@@ -15,6 +15,7 @@ class ServerProcess:
 
     def __init__(self, cmd: list[str], url: str, log_path: Path, env: dict | None = None):
         self.cmd, self.url, self.env = cmd, url, env
+        self.new_session = False  # its own process group, to signal the group as systemd does
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
@@ -23,7 +24,11 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=self.new_session,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

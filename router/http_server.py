@@ -77,7 +77,7 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
 
 
 async def _request_error(_: Request, exc: RequestError):
-    return JSONResponse(error_body(exc.message, exc.code, exc.status), exc.status)
+    return JSONResponse(error_body(exc.message, exc.code, exc.status), exc.status, exc.headers)
 
 
 async def _validation_error(_: Request, exc: RequestValidationError):

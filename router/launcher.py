@@ -1,9 +1,10 @@
 """`radix-mlx serve`: start the worker and scheduler, supervise them, serve HTTP and ZMQ.
 
-The launcher process is the router. Children are spawned (not forked: MLX and ZMQ state
-must not be copied), talk over ipc sockets in a private runtime directory, and exit on
-their own if this process disappears. A child that dies makes /health answer 503 for a
-moment, fails in-flight requests, and the server exits non-zero.
+The launcher process is the router. Its children (`router.supervisor`) talk over ipc
+sockets in a private runtime directory, are restarted when they die or hang, and exit on
+their own if this process disappears. SIGTERM or SIGINT drains: new requests get 503,
+in-flight ones get up to --graceful-shutdown-timeout seconds; a second signal stops at
+once. Either way the children are stopped and the runtime directory removed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
 import shutil
 import signal
 import sys
@@ -21,6 +21,7 @@ import time
 import uvicorn
 import uvloop
 
+from common.child_process import set_title
 from common.ipc import Endpoints
 from common.log import setup_logging
 from common.server_args import ServerArgs
@@ -30,13 +31,15 @@ from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
 from router.model_files import ModelNotFound, load_tokenizer, resolve_model_path
+from router.supervisor import Children, Supervisor
 
 logger = logging.getLogger("router")
-STARTUP_TIMEOUT = 900.0  # seconds for the worker to load the model and size its pool
-DEATH_GRACE = 1.0  # seconds /health reports 503 before the server exits
+DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
+HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being written
 
 
 def serve(args: ServerArgs) -> int:
+    set_title("router")
     setup_logging("router", args.log_level)
     try:
         args.validate()
@@ -49,52 +52,79 @@ def serve(args: ServerArgs) -> int:
     child_args = dataclasses.replace(args, model_path=model_dir)
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
+    logger.info("runtime directory %s", runtime_dir)
     endpoints = Endpoints.ipc(runtime_dir) if args.transport == "ipc" else Endpoints.tcp()
-    children = _start_children(child_args, endpoints)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    children = Children(child_args, endpoints)
+    children.start()
+
+    def stop_now(*_):  # before HTTP serves (the model loads): nothing to drain yet
+        children.stopping.set()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop_now)
+    signal.signal(signal.SIGINT, stop_now)
     try:
         return uvloop.run(_main(args, endpoints, tokenizer, children))
-    except KeyboardInterrupt:
-        return 0
     finally:
-        _stop_children(children)
+        children.stop()
         shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _start_children(args: ServerArgs, endpoints: Endpoints) -> dict:
-    from scheduler.process import run_scheduler
-    from worker_mlx.worker import run_worker
+class _Server(uvicorn.Server):
+    """uvicorn, whose SIGINT/SIGTERM handling is ours (`Shutdown.on_signal`)."""
 
-    ctx = multiprocessing.get_context("spawn")
-    children = {
-        "worker": ctx.Process(target=run_worker, args=(args, endpoints), name="worker"),
-        "scheduler": ctx.Process(target=run_scheduler, args=(args, endpoints), name="scheduler"),
-    }
-    for proc in children.values():
-        proc.start()
-    return children
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.on_signal(sig)
 
 
-def _stop_children(children: dict) -> None:
-    for proc in children.values():
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + 5
-    for proc in children.values():
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join(1)
+class Shutdown:
+    """The first signal drains, the second stops at once."""
+
+    def __init__(self, manager: RouterManager, children: Children, timeout: float):
+        self.manager, self.children, self.timeout = manager, children, timeout
+        self.loop = asyncio.get_running_loop()
+        self.server: uvicorn.Server | None = None
+        self.signals = 0
+        self.drain: asyncio.Task | None = None
+
+    def on_signal(self, sig: int) -> None:
+        self.signals += 1
+        self.children.stopping.set()
+        self.loop.call_soon_threadsafe(self._act, signal.Signals(sig).name)
+
+    def _act(self, name: str) -> None:
+        if self.signals == 1:
+            logger.info(
+                "%s: draining %d request(s) for up to %g s (--graceful-shutdown-timeout); "
+                "signal again to stop now", name, len(self.manager.pending), self.timeout,
+            )  # fmt: skip
+            self.manager.draining()
+            self.drain = asyncio.create_task(self._drain())
+        else:
+            logger.info("%s: stopping now", name)
+            self.manager.stopped("stopped")
+            self.manager.fail_all("the server stopped")
+            self.server.should_exit = self.server.force_exit = True
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.manager.pending and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL)
+        if self.manager.pending:
+            logger.warning("%d request(s) still running; failing them", len(self.manager.pending))
+            self.manager.fail_all(
+                f"the server stopped before the request finished "
+                f"(--graceful-shutdown-timeout {self.timeout:g} s)"
+            )
+        self.manager.stopped("stopped")
+        self.server.should_exit = True
 
 
-def _dead_child(children: dict) -> str | None:
-    for name, proc in children.items():
-        if not proc.is_alive():
-            return f"{name} process exited with status {proc.exitcode}"
-    return None
-
-
-async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dict) -> int:
+async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: Children) -> int:
     metrics = Metrics()
     manager = RouterManager(
         endpoints.scheduler_in,
@@ -104,27 +134,21 @@ async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dic
         args.max_queued_requests,
         Trace(args.trace_dir, "router"),
     )
+    supervisor = Supervisor(children, manager, metrics, args.max_restarts)
     receiver = asyncio.create_task(manager.receive_loop())
     try:
-        if not await _wait_ready(manager, children):
+        failure = await supervisor.wait_ready()
+        if failure is not None:
+            logger.error("start-up failed: %s", failure[1])
             return 1
+        manager.serving()
         zmq_port = args.zmq_port or args.port + 1
         frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer, args.api_key)
         door = asyncio.create_task(frontdoor.serve())
-        app = create_app(manager, tokenizer, args, metrics)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            loop="none",
-            http="httptools",
-            log_level="warning",
-            lifespan="off",
-            timeout_keep_alive=30,
-        )
-        server = uvicorn.Server(config)
-        status = {"code": 0}
-        watcher = asyncio.create_task(_supervise(children, manager, server, status))
+        shutdown = Shutdown(manager, children, args.graceful_shutdown_timeout)
+        server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics),
+                                           shutdown.on_signal)  # fmt: skip
+        watcher = asyncio.create_task(_supervise(supervisor, server))
         logger.info(
             "serving HTTP on http://%s:%d and the SDK on %s",
             args.host,
@@ -132,37 +156,33 @@ async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: dic
             frontdoor.address,
         )
         await server.serve()
+        gave_up = watcher.done() and bool(watcher.result())
         watcher.cancel()
         door.cancel()
-        return status["code"] if server.started else 1
+        return 1 if gave_up or not server.started else 0
     finally:
         receiver.cancel()
         manager.close()
 
 
-async def _wait_ready(manager: RouterManager, children: dict) -> bool:
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            await asyncio.wait_for(manager.ready_event.wait(), 0.25)
-            return True
-        except asyncio.TimeoutError:
-            dead = _dead_child(children)
-            if dead:
-                logger.error("start-up failed: %s", dead)
-                return False
-    logger.error("start-up timed out after %.0f s", STARTUP_TIMEOUT)
-    return False
+def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(manager, tokenizer, args, metrics),
+        host=args.host,
+        port=args.port,
+        loop="none",
+        http="httptools",
+        log_level="warning",
+        lifespan="off",
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=HTTP_SHUTDOWN_TIMEOUT,
+    )
 
 
-async def _supervise(children: dict, manager: RouterManager, server, status: dict) -> None:
-    while True:
-        await asyncio.sleep(0.25)
-        dead = _dead_child(children)
-        if dead:
-            logger.error("%s; shutting down", dead)
-            manager.fail_all(dead)
-            status["code"] = 1
-            await asyncio.sleep(DEATH_GRACE)
-            server.should_exit = True
-            return
+async def _supervise(supervisor: Supervisor, server: uvicorn.Server) -> str:
+    """The supervisor's give-up line, logged, ends the server."""
+    line = await supervisor.watch()
+    if line:
+        logger.error("%s", line)
+    server.should_exit = True
+    return line

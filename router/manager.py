@@ -3,12 +3,17 @@
 Runs on the router's asyncio loop. Each request gets a queue; one receive task routes
 the scheduler's TokenOutBatch / ReqError messages into those queues. The HTTP server and
 the SDK front door both go through `generate`.
+
+The manager also holds the serving state the supervisor and the signal handlers set:
+starting, serving, restarting (new requests wait up to RESTART_WAIT for the fresh
+children, then get a 503 with Retry-After), draining and stopped (new requests get 503).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,19 +33,34 @@ from common.messages import (
     SchedulerStats,
     TokenOut,
     TokenOutBatch,
+    WorkerHung,
 )
-from common.protocol import ProtocolError, decode, encode
+from common.protocol import ProtocolError, decode, encode, peek_rids
 from common.trace import Trace
 
 logger = logging.getLogger("router")
+RESTART_WAIT = 30.0  # seconds a request that arrives during a restart waits for it
+RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while restarting
 
 
 class RequestError(Exception):
-    """A request the system refused; carries the OpenAI error fields."""
+    """A request the system refused; carries the OpenAI error fields (and HTTP headers)."""
 
-    def __init__(self, message: str, code: str = "invalid_request_error", status: int = 400):
+    def __init__(
+        self,
+        message: str,
+        code: str = "invalid_request_error",
+        status: int = 400,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.code, self.status = message, code, status
+        self.headers = headers
+
+
+def unavailable(message: str, retry_after: float | None = None) -> RequestError:
+    headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
+    return RequestError(message, "service_unavailable", 503, headers)
 
 
 @dataclass
@@ -70,8 +90,18 @@ class RouterManager:
         self.ready: SchedulerReady | None = None
         self.ready_event = asyncio.Event()
         self.stats: SchedulerStats | None = None
-        self.healthy = True
-        self.unhealthy_reason = ""
+        self.hung: WorkerHung | None = None  # the scheduler's watchdog fired
+        self.state, self.reason = "starting", ""
+        self._settled = asyncio.Event()  # set while not restarting
+        self._settled.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "serving"
+
+    @property
+    def unhealthy_reason(self) -> str:
+        return self.reason or self.state
 
     async def receive_loop(self) -> None:
         while True:
@@ -80,6 +110,9 @@ class RouterManager:
                 msg = decode(frame, ROUTER_INBOX)
             except ProtocolError as exc:
                 logger.error("bad frame from scheduler: %s", exc)
+                for rid in peek_rids(frame):  # their answer is lost: do not let them wait
+                    self._deliver(rid, RequestError(f"bad frame from the scheduler: {exc}",
+                                                    "internal_error", 500))  # fmt: skip
                 continue
             self._dispatch(msg)
 
@@ -96,30 +129,69 @@ class RouterManager:
                 self.metrics.observe_stats(msg)
         elif isinstance(msg, SchedulerReady):
             self.ready = msg
+            if self.metrics:
+                self.metrics.observe_ready(msg)  # before /health can say 200
             self.ready_event.set()
+        elif isinstance(msg, WorkerHung):
+            self.hung = msg
 
     def _deliver(self, rid: str, item: TokenOut | RequestError) -> None:
         pending = self.pending.get(rid)
         if pending is not None:
             pending.queue.put_nowait(item)
+        elif isinstance(item, TokenOut) and item.finish_reason is None:
+            self._send_nowait(AbortReq(rid))  # nobody waits for it (failed in a restart)
+
+    # ------------------------------------------------------------ serving state
+
+    def serving(self) -> None:
+        self.state, self.reason, self.hung = "serving", "", None
+        self._settled.set()
+
+    def restarting(self, reason: str) -> None:
+        """A child died or hung: fail what was in flight; new requests wait."""
+        self.state, self.reason, self.hung = "restarting", f"restarting: {reason}", None
+        self.ready_event.clear()
+        self._settled.clear()
+        self.fail_all(reason)
+
+    def draining(self) -> None:
+        self.state, self.reason = "draining", "draining: the server is shutting down"
+        self._settled.set()
+
+    def stopped(self, reason: str) -> None:
+        self.state, self.reason = "stopped", reason
+        self._settled.set()
+
+    def fail_all(self, reason: str) -> None:
+        """Every waiting caller gets a 503 instead of hanging."""
+        for pending in self.pending.values():
+            pending.queue.put_nowait(unavailable(reason))
+
+    async def _wait_serving(self) -> None:
+        if self.state == "restarting":
+            try:
+                await asyncio.wait_for(self._settled.wait(), RESTART_WAIT)
+            except asyncio.TimeoutError:
+                raise unavailable(f"server is {self.reason}; retry later", RETRY_AFTER) from None
+        self.check_ready()
 
     @property
     def context_len(self) -> int:
         return self.ready.context_len if self.ready else 0
 
     def check_ready(self) -> None:
-        if not self.healthy:
-            raise RequestError(
-                f"server is shutting down: {self.unhealthy_reason}", "service_unavailable", 503
-            )
+        """Raise the 503 a new request gets now; during a restart `generate` waits."""
+        if self.state in ("draining", "stopped"):
+            raise unavailable(f"server is {self.reason}")
         if self.ready is None:
-            raise RequestError("server is starting", "service_unavailable", 503)
+            raise unavailable("server is starting")
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
     ) -> AsyncIterator[TokenOut]:
         """Yield TokenOut increments until the finishing one; abort if the caller stops."""
-        self.check_ready()
+        await self._wait_serving()
         if len(self.pending) >= self.max_pending:
             raise RequestError(
                 f"server overloaded: {len(self.pending)} requests in flight "
@@ -150,17 +222,14 @@ class RouterManager:
             if self.metrics:
                 self.metrics.forget(rid)
             if not finished:
-                await self.abort(rid)
+                self._send_nowait(AbortReq(rid))
 
-    async def abort(self, rid: str) -> None:
-        await self.to_scheduler.send(encode(AbortReq(rid)))
-
-    def fail_all(self, reason: str) -> None:
-        """A child died: every waiting caller gets a 503 instead of hanging."""
-        self.healthy = False
-        self.unhealthy_reason = reason
-        for pending in self.pending.values():
-            pending.queue.put_nowait(RequestError(reason, "service_unavailable", 503))
+    def _send_nowait(self, msg) -> None:
+        """A message that must not wait: with no scheduler connected (a restart), it is
+        dropped, and the fresh scheduler knows nothing of the request anyway."""
+        sent = self.to_scheduler.send(encode(msg), zmq.NOBLOCK)  # a Future, done at once
+        if sent.done() and sent.exception() is not None:  # retrieved: zmq.Again, dropped
+            logger.debug("dropped %s: the scheduler's queue is full", type(msg).__name__)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

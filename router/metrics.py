@@ -1,9 +1,10 @@
 """Prometheus metrics, all exposed by the router on the HTTP port.
 
 The scheduler reports its gauges and cumulative counters in SchedulerStats messages
-(every 0.5 s while busy); the router measures latencies itself, per request, from the
-outputs it routes. One registry per server, so tests can run several. Every metric is
-in `METRICS` below; labels stay low-cardinality (only `finish_reason`).
+(whenever they change, at most once per scheduling step); the router measures latencies
+itself, per request, from the outputs it routes, and its supervisor reports the
+processes. One registry per server, so tests can run several. Every metric is in
+`METRICS` below; labels stay low-cardinality (`finish_reason`, `process`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from common.messages import SchedulerStats, TokenOut
+from common.messages import SchedulerReady, SchedulerStats, TokenOut
 
 PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
@@ -43,7 +44,10 @@ METRICS = {
     "num_queued_requests": "gauge",
     "token_usage": "gauge",
     "kv_pool_capacity_tokens": "gauge",
+    "process_up": "gauge",
+    "process_restarts": "counter",
 }
+PROCESSES = ("router", "scheduler", "worker")
 
 
 def exported_series() -> set[str]:
@@ -121,11 +125,39 @@ class Metrics:
             p + "token_usage", "KV pool share held by running requests", registry=r
         )
         self.capacity = Gauge(p + "kv_pool_capacity_tokens", "KV pool size", registry=r)
+        self.up = Gauge(p + "process_up", "1 while the process serves", ["process"], registry=r)
+        self.restarts = Counter(
+            p + "process_restarts",
+            "Restarts of the worker and scheduler, by the process that died or hung",
+            ["process"],
+            registry=r,
+        )
         for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)  # export zeros, so rate() works from the start
+        for process in PROCESSES:
+            self.up.labels(process).set(process == "router")
+            if process != "router":
+                self.restarts.labels(process)
         self._evicted_seen = 0
         self._retracted_seen = 0
         self._live: dict[str, _Live] = {}
+
+    def observe_ready(self, ready: SchedulerReady) -> None:
+        """A (re)started scheduler: its counters start from 0, its pool is empty."""
+        self.capacity.set(ready.num_slots)
+        self.observe_stats(SchedulerStats(0, 0, 0.0, ready.num_slots, 0, 0))
+        self._evicted_seen = self._retracted_seen = 0
+        for process in ("scheduler", "worker"):
+            self.up.labels(process).set(1)
+
+    def observe_death(self, process: str) -> None:
+        """A child died or hung: both children are restarted, nothing runs meanwhile."""
+        self.restarts.labels(process).inc()
+        self.running.set(0)
+        self.queued.set(0)
+        self.token_usage.set(0)
+        for child in ("scheduler", "worker"):
+            self.up.labels(child).set(0)
 
     def observe_stats(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running)

@@ -2,17 +2,22 @@
 
 Waits for the worker's pool report, tells the router it is ready, then loops: take
 requests, send a batch, wait for its result while still taking requests, send its outputs.
+
+No wait is silent: a WorkerError or an undecodable reply while a step is in flight fails
+that step's requests; a step that takes longer than --watchdog-timeout is reported to the
+router (WorkerHung), which kills and restarts the worker; when the router is gone, the
+process exits.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 
 import zmq
 
+from common.child_process import setup_child
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -25,6 +30,8 @@ from common.messages import (
     ReqError,
     SchedulerReady,
     TokenOutBatch,
+    WorkerError,
+    WorkerHung,
     WorkerReady,
 )
 from common.protocol import ProtocolError, decode, encode, peek_rid
@@ -33,7 +40,7 @@ from common.trace import Trace
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("scheduler")
-STATS_INTERVAL = 0.5  # seconds between SchedulerStats for /metrics
+STATS_INTERVAL = 0.5  # seconds between SchedulerStats when nothing changed
 
 
 class SchedulerProcess:
@@ -51,6 +58,7 @@ class SchedulerProcess:
         self.trace = Trace(args.trace_dir, "scheduler")
         self.sched: Scheduler | None = None
         self._last_stats = 0.0
+        self._sent_stats = None
 
     def run(self) -> None:
         ready = self._wait_worker_ready()
@@ -86,11 +94,20 @@ class SchedulerProcess:
                 logger.warning("ignoring %s before the worker is ready", type(msg).__name__)
 
     def _wait_result(self, batch: ExtendBatch | DecodeBatch):
+        """The step's StepResult or WorkerError; a bad frame or a WorkerError naming no
+        step (the worker could not read what we sent) ends the wait as a failed step."""
+        sent, reported = time.monotonic(), False
         while True:
             msg = self._poll(timeout_ms=1000, want_worker=True)
+            waited = time.monotonic() - sent
             if msg is None:
+                if waited > self.args.watchdog_timeout and not reported:
+                    logger.error("step %d not done after %.1f s (watchdog)", batch.step, waited)
+                    self.to_router.send(encode(WorkerHung(batch.step, waited)))
+                    reported = True
                 continue
-            if getattr(msg, "step", None) == batch.step:
+            step = getattr(msg, "step", None)
+            if step == batch.step or (isinstance(msg, WorkerError) and step == -1):
                 self.trace("result", batch.step)
                 return msg
             logger.warning(
@@ -101,19 +118,26 @@ class SchedulerProcess:
             )
 
     def _poll(self, timeout_ms: int, want_worker: bool = False):
-        """Handle router messages; return one worker message if `want_worker` and one came."""
+        """Handle router messages; return one worker message if `want_worker` and one came
+        (an undecodable one as a WorkerError of no step). Worker messages that come when
+        no step is in flight are logged and dropped, so none is mistaken for a later
+        step's answer."""
         events = dict(self.poller.poll(timeout_ms))
         if not events and not self.watch.parent_alive():
             logger.info("parent process gone; exiting")
             sys.exit(0)
         if self.from_router in events:
             self._drain_router()
-        if want_worker and self.from_worker in events:
+        if self.from_worker in events:
             frame = self.from_worker.recv()
             try:
-                return decode(frame, SCHEDULER_FROM_WORKER)
+                msg = decode(frame, SCHEDULER_FROM_WORKER)
             except ProtocolError as exc:
                 logger.error("bad frame from worker: %s", exc)
+                msg = WorkerError(step=-1, message=f"undecodable reply from the worker: {exc}")
+            if want_worker:
+                return msg
+            logger.warning("dropping %s from the worker: no step in flight", type(msg).__name__)
         return None
 
     def _drain_router(self) -> None:
@@ -134,6 +158,9 @@ class SchedulerProcess:
                 if isinstance(msg, GenerateReq):
                     self.trace("request", msg.rid)
                 self.sched.on_request(msg)
+            elif isinstance(msg, GenerateReq):  # the router waits for SchedulerReady first
+                error = ReqError(msg.rid, "the scheduler is starting", "service_unavailable", 503)
+                self.to_router.send(encode(error))
 
     def _trace_batch(self, batch) -> None:
         if not self.trace.enabled:
@@ -144,7 +171,10 @@ class SchedulerProcess:
             self.trace("decode", batch.step, *batch.rids)
 
     def _send_outputs(self) -> None:
+        """Stats first, so a caller that sees its last token and then scrapes /metrics
+        sees the state after that step; then tokens and errors."""
         sched = self.sched
+        self._send_stats(sched.stats())
         outputs = sched.take_outputs()
         tokens = [o for o in outputs if not isinstance(o, ReqError)]
         if tokens:
@@ -153,15 +183,18 @@ class SchedulerProcess:
         for err in outputs:
             if isinstance(err, ReqError):
                 self.to_router.send(encode(err))
+
+    def _send_stats(self, stats) -> None:
+        """When they changed (so a scrape is current within one step), and every
+        STATS_INTERVAL (so a restarted router-side view catches up)."""
         now = time.monotonic()
-        if now - self._last_stats >= STATS_INTERVAL:
-            self._last_stats = now
-            self.to_router.send(encode(sched.stats()))
+        if stats != self._sent_stats or now - self._last_stats >= STATS_INTERVAL:
+            self._last_stats, self._sent_stats = now, stats
+            self.to_router.send(encode(stats))
 
 
-def run_scheduler(args: ServerArgs, endpoints: Endpoints) -> None:
+def run_scheduler(args: ServerArgs, endpoints: Endpoints, router_stopping=None) -> None:
     """Process entry point."""
     setup_logging("scheduler", args.log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    setup_child("scheduler", router_stopping)
     SchedulerProcess(args, endpoints).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from common.ipc import free_ports
@@ -32,3 +33,17 @@ class ServerProcess(_Process):
         """PIDs of this server's child processes (worker, scheduler, helpers)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
+
+    def child(self, name: str, timeout: float = 5) -> int:
+        """The pid of the child whose process title is radix-mlx::<name>."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pid in self.children():
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                except FileNotFoundError:
+                    continue  # exited meanwhile
+                if cmd.rstrip(b"\0") == f"radix-mlx::{name}".encode():
+                    return pid
+            time.sleep(0.05)
+        raise AssertionError(f"no radix-mlx::{name} child of {self.proc.pid}")

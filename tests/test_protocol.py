@@ -36,6 +36,7 @@ from common.messages import (
     TokenOut,
     TokenOutBatch,
     WorkerError,
+    WorkerHung,
     WorkerReady,
 )
 from common.protocol import (
@@ -145,6 +146,7 @@ EXAMPLES: dict[type, list] = {
             retracted_requests=1,
         )
     ],
+    WorkerHung: [WorkerHung(step=7, seconds=301.5)],
     ExtendBatch: [
         ExtendBatch(step=5, reqs=EXTEND_REQS, release=RELEASES),
         ExtendBatch(step=0, reqs=EXTEND_REQS[:1]),

@@ -8,10 +8,9 @@ goes on serving.
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import traceback
 
+from common.child_process import setup_child
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -22,7 +21,7 @@ from common.messages import (
     StepResult,
     WorkerError,
 )
-from common.protocol import ProtocolError, decode, encode
+from common.protocol import ProtocolError, decode, encode, peek_step
 from common.server_args import ServerArgs
 from common.trace import Trace
 from worker_mlx.backends.blas import preload_openblas
@@ -30,11 +29,10 @@ from worker_mlx.backends.blas import preload_openblas
 logger = logging.getLogger("worker")
 
 
-def run_worker(args: ServerArgs, endpoints: Endpoints) -> None:
+def run_worker(args: ServerArgs, endpoints: Endpoints, router_stopping=None) -> None:
     """Process entry point."""
     setup_logging("worker", args.log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    setup_child("worker", router_stopping)
     blas = preload_openblas()
     import zmq
 
@@ -65,7 +63,9 @@ def serve(runner, inbox, outbox, trace: Trace) -> None:
             msg = decode(frame, WORKER_INBOX)
         except ProtocolError as exc:
             logger.warning("bad frame from scheduler: %s", exc)
-            outbox.send(encode(WorkerError(step=-1, message=f"bad frame: {exc}")))
+            # the step it names, if any: the scheduler fails that step instead of waiting
+            error = WorkerError(step=peek_step(frame), message=f"bad frame: {exc}")
+            outbox.send(encode(error))
             continue
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))

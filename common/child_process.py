@@ -1,0 +1,39 @@
+"""What each radix-mlx process sets up first: a title `ps` shows, and how it stops.
+
+The router stops its children with STOP_SIGNAL. SIGINT (a terminal's Ctrl-C reaches the
+whole process group) is the router's to handle. A SIGTERM may be an operator's `kill` of
+this one process, which should stop it (the router then restarts it), or one sent to the
+whole group by systemd or a container runtime, which the router answers by draining:
+its children must keep serving until it stops them. So a child waits a moment after a
+SIGTERM and exits only if the router has not started stopping by then.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from setproctitle import setproctitle
+
+TITLE_PREFIX = "radix-mlx::"
+STOP_SIGNAL = signal.SIGUSR1
+GROUP_SIGNAL_GRACE = 0.3  # seconds for the router to mark itself stopping on a group SIGTERM
+
+
+def set_title(name: str) -> None:
+    setproctitle(TITLE_PREFIX + name)
+
+
+def setup_child(name: str, router_stopping=None) -> None:
+    """`router_stopping`: a multiprocessing Event the router sets when it starts to stop."""
+    set_title(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
+
+    def on_sigterm(*_) -> None:
+        time.sleep(GROUP_SIGNAL_GRACE)
+        if router_stopping is None or not router_stopping.is_set():
+            sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
