@@ -272,8 +272,13 @@ def test_long_generation_through_the_compiled_step(tiny_model):
     assert_parity(h, prompts, got)
     assert len(step.shapes) <= 3 and step.compiled >= 3  # 9 shapes: 3 compilations
     # widths: multiples of 64 up to 512 columns, then an eighth of the capacity
-    assert [attention_width(c, 256) for c in (0, 63, 64, 255)] == [64, 64, 128, 256]
-    assert [attention_width(c, 1024) for c in (0, 127, 128, 1000)] == [128, 128, 256, 1024]
+    assert [attention_width(c, 256)[0] for c in (0, 63, 64, 255)] == [64, 64, 128, 256]
+    assert [attention_width(c, 1024)[0] for c in (0, 127, 128, 1000)] == [128, 128, 256, 1024]
+    # every column a width serves is at or past its `lowest`, which windows start from
+    for cap in (256, 1000, 1024):
+        for c in range(cap):
+            width, lowest = attention_width(c, cap)
+            assert lowest <= c < width
 
 
 # ---------------------------------------------------------------- 2. staggered finishes
@@ -795,7 +800,7 @@ def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
     import mlx.core as mx
 
     from worker_mlx.kv_pool import MlxKVPool
-    from worker_mlx.layer_caches import LayerCache, ProbeCache, StepCache
+    from worker_mlx.layer_caches import LayerCache, ProbeCache, StepCache, StepColumns
     from worker_mlx.model_probe import probe_kv_layout
     from worker_mlx.prefill import ExtendPlan
 
@@ -803,7 +808,7 @@ def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
     extend = ExtendPlan(pool, [[1, 2]], [3], [[3, 4, 5]]).layer_caches()
     kv = mx.zeros((1, 2, 8, 4))
     zero = mx.array([0])
-    step = StepCache(zero, mx.array([True]), zero, kv, kv, 8)
+    step = StepCache(zero, StepColumns(zero, zero, 8, 0), kv, kv, 16)
     for cache in [ProbeCache(), *extend, step]:
         assert isinstance(cache, LayerCache), type(cache).__name__
     assert not isinstance(object(), LayerCache)

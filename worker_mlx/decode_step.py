@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.layer_caches import StepCache
+from worker_mlx.layer_caches import StepCache, StepColumns
 
 # Attention width granularity: masked columns past the current one cost attention work
 # (at batch 8 and 300 tokens, 256-column steps made a decode step 25% slower than 64).
@@ -30,10 +30,12 @@ WIDTH_STEP = 64
 MAX_TRACES = 128
 
 
-def attention_width(column: int, capacity: int) -> int:
-    """The columns a compiled step that writes `column` attends over (a multiple of the step)."""
+def attention_width(column: int, capacity: int) -> tuple[int, int]:
+    """(width, lowest): a compiled step that writes `column` attends over the first
+    `width` columns (a multiple of the step), and serves every column from `lowest` on."""
     step = max(WIDTH_STEP, capacity // 8)
-    return min(capacity, (column + step) // step * step)
+    width = min(capacity, (column + step) // step * step)
+    return width, max(0, width - step)
 
 
 class DecodeStep:
@@ -41,8 +43,12 @@ class DecodeStep:
     values), the per-layer buffers with column `column` written (in place: MLX donates
     them)."""
 
-    def __init__(self, model: nn.Module, compile: bool, max_traces: int = MAX_TRACES):
+    def __init__(
+        self, model: nn.Module, compile: bool, windows: tuple[int | None, ...] = (),
+        max_traces: int = MAX_TRACES,
+    ):  # fmt: skip
         self.model = model
+        self.windows = windows or (None,) * len(model.layers)
         self.compiles = compile
         self.max_traces = max_traces
         self.shapes: set[tuple[int, int, int]] = set()
@@ -50,15 +56,14 @@ class DecodeStep:
         self._step = self._compile() if compile else self._function()
 
     def _function(self):
-        model = self.model
+        model, windows = self.model, self.windows
 
-        def step(tokens, column, left_pad, keys, values, width):
-            cols = mx.arange(width)
-            mask = ((cols[None, :] >= left_pad[:, None]) & (cols[None, :] <= column))[
-                :, None, None, :
-            ]
+        def step(tokens, column, left_pad, keys, values, width, lowest):
+            columns = StepColumns(column, left_pad, width, lowest)
             offset = column - left_pad  # each row's RoPE position
-            caches = [StepCache(offset, mask, column, k, v, width) for k, v in zip(keys, values)]
+            caches = [
+                StepCache(offset, columns, k, v, w) for k, v, w in zip(keys, values, windows)
+            ]
             logits = model(tokens, cache=caches)[:, -1, :]
             return logits, [c.keys for c in caches], [c.values for c in caches]
 
@@ -79,13 +84,13 @@ class DecodeStep:
     ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         capacity = keys[0].shape[2]
         if self.compiles:
-            width = attention_width(column, capacity)
+            width, lowest = attention_width(column, capacity)
             shape = (tokens.shape[0], capacity, width)
             if shape not in self.shapes:
                 if len(self.shapes) >= self.max_traces:
                     self._step = self._compile()  # the old function and its traces are freed
                 self.shapes.add(shape)
         else:
-            width = column + 1
+            width, lowest = column + 1, column
         at = mx.array([column], dtype=mx.int32)
-        return self._step(tokens, at, left_pad, keys, values, width)
+        return self._step(tokens, at, left_pad, keys, values, width, lowest)

@@ -20,16 +20,30 @@ class KVLayout:
 
     num_layers: int
     n_kv_heads: int
-    head_dim: int
+    head_dim: int  # of keys
     dtype: mx.Dtype
+    # of values, where it differs from the keys' (multi-head latent attention caches a
+    # latent as "keys" and its RoPE part as "values")
+    v_head_dim: int | None = None
+    # per layer, the sliding window it attends (None: every token before it); () when all
+    # layers attend everything
+    windows: tuple[int | None, ...] = ()
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def bytes_per_slot(self) -> int:
-        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * self.dtype.size
+        widths = self.head_dim + self.value_dim
+        return self.num_layers * self.n_kv_heads * widths * self.dtype.size
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
 
 class MlxKVPool:
-    """Per layer, K and V of shape (num_slots + 1, n_kv_heads, head_dim); row 0 is padding.
+    """Per layer, K and V of shape (num_slots + 1, n_kv_heads, width); row 0 is padding.
 
     Writes are scatters into the arrays MLX donates in place, so a write costs the tokens
     written, not the pool size. Readers gather by slot id inside their compute graph.
@@ -38,9 +52,10 @@ class MlxKVPool:
     def __init__(self, layout: KVLayout, num_slots: int):
         self.layout = layout
         self.num_slots = num_slots
-        shape = (num_slots + 1, layout.n_kv_heads, layout.head_dim)
-        self.k = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
-        self.v = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        k_shape = (num_slots + 1, layout.n_kv_heads, layout.head_dim)
+        v_shape = (num_slots + 1, layout.n_kv_heads, layout.value_dim)
+        self.k = [mx.zeros(k_shape, layout.dtype) for _ in range(layout.num_layers)]
+        self.v = [mx.zeros(v_shape, layout.dtype) for _ in range(layout.num_layers)]
         mx.eval(self.k, self.v)
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
@@ -63,9 +78,8 @@ class MlxKVPool:
 
     def gather_heads(self, layer: int, head_idx: mx.array) -> tuple[mx.array, mx.array]:
         """K and V as (B, H, S, D) for indices from `head_index`."""
-        D = self.layout.head_dim
         k, v = self.k[layer], self.v[layer]
-        return k.reshape(-1, D)[head_idx], v.reshape(-1, v.shape[-1])[head_idx]
+        return k.reshape(-1, k.shape[-1])[head_idx], v.reshape(-1, v.shape[-1])[head_idx]
 
     def arrays(self) -> list[mx.array]:
         return self.k + self.v

@@ -10,8 +10,12 @@ implements that protocol three times, for three moments of a request:
 - `StepCache`: a decode step on the decode buffer, written functionally so the step can be
   traced by `mx.compile`.
 
-A new layer kind (a sliding window, a recurrent state) is a change to this file: each
-class says what its layers see, and `make_mask` is where a window would be honoured.
+A new layer kind is a change to this file: each class says what its layers see. A
+sliding-window layer (mlx-lm's `RotatingKVCache(max_size=W)`) sees the same slots as any
+other, and the model asks for its mask with `make_mask(N, window_size=W)`: the window is
+applied there, so it attends exactly the W tokens mlx-lm's rotating cache holds. In a
+decode step a windowed layer also reads only the columns its window can reach, so the
+window, not the context, bounds its work.
 """
 
 from __future__ import annotations
@@ -37,11 +41,6 @@ class LayerCache(Protocol):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]: ...
 
 
-def _no_window(window_size: int | None) -> None:
-    if window_size is not None:
-        raise NotImplementedError("sliding-window attention is not supported")
-
-
 class ProbeCache:
     """Records the K/V shape one layer produces, so the pool fits any standard attention."""
 
@@ -49,15 +48,14 @@ class ProbeCache:
 
     def __init__(self):
         self.shape: tuple[int, ...] | None = None
+        self.v_dim: int | None = None
         self.dtype: mx.Dtype | None = None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if keys.shape[-1] != values.shape[-1]:
-            raise ValueError("keys and values with different head dims are not supported")
-        self.shape, self.dtype = keys.shape, keys.dtype
+        self.shape, self.v_dim, self.dtype = keys.shape, values.shape[-1], keys.dtype
         return keys, values
 
 
@@ -70,8 +68,7 @@ class ExtendCache:
         self.offset = plan.offset
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        _no_window(window_size)
-        return self.plan.mask
+        return self.plan.mask(window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         plan, pool = self.plan, self.plan.pool
@@ -86,23 +83,49 @@ class ExtendCache:
         return pool.gather_heads(self.layer, plan.read_idx)  # (B, H, P+L, D)
 
 
+class StepColumns:
+    """Which columns of a decode step's left-padded buffers each layer attends: `column`
+    (an array, so a compiled step serves many) is written, every column before `width`
+    is read under the mask, and `column` is known to be at least `lowest` (an int). A
+    layer with window W reads from column `start(W)`, the first one any query of this
+    width can reach."""
+
+    def __init__(self, column: mx.array, left_pad: mx.array, width: int, lowest: int):
+        self.column, self.width, self.lowest = column, width, lowest
+        cols = mx.arange(width)
+        self.cols = cols
+        self.full = ((cols[None, :] >= left_pad[:, None]) & (cols[None, :] <= column))[
+            :, None, None, :
+        ]
+
+    def start(self, window: int | None) -> int:
+        return 0 if window is None else max(0, self.lowest - window + 1)
+
+    def mask(self, window: int | None) -> mx.array:
+        if window is None:
+            return self.full
+        start = self.start(window)
+        return self.full[..., start:] & (self.cols[start:] > self.column - window)
+
+
 class StepCache:
-    """One layer of a decode step: column `column` of left-padded (B, H, cap, D) buffers
-    is written, and attention reads the first `width` columns under `mask`. Functional
-    (the buffers are replaced, never assigned into), so `mx.compile` can trace it."""
+    """One layer of a decode step: column `columns.column` of left-padded (B, H, cap, D)
+    buffers is written, and attention reads the columns `columns` says. Functional (the
+    buffers are replaced, never assigned into), so `mx.compile` can trace it."""
 
     def __init__(
-        self, offset: mx.array, mask: mx.array, column: mx.array, keys: mx.array,
-        values: mx.array, width: int,
+        self, offset: mx.array, columns: StepColumns, keys: mx.array, values: mx.array,
+        window: int | None,
     ):  # fmt: skip
-        self.offset, self.mask, self.column, self.width = offset, mask, column, width
+        self.offset, self.columns, self.window = offset, columns, window
         self.keys, self.values = keys, values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        _no_window(window_size)
-        return self.mask
+        return self.columns.mask(window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self.column, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.column, axes=(2,))
-        return self.keys[:, :, : self.width], self.values[:, :, : self.width]
+        c = self.columns
+        self.keys = mx.slice_update(self.keys, keys, c.column, axes=(2,))
+        self.values = mx.slice_update(self.values, values, c.column, axes=(2,))
+        start = c.start(self.window)
+        return self.keys[:, :, start : c.width], self.values[:, :, start : c.width]

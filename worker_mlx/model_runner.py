@@ -72,7 +72,7 @@ class ModelRunner:
         self.keys = KeySource(seed)
         self.reqs: dict[str, ReqState] = {}
         self.body, self.head = split_lm_head(model)
-        self.decode_step = DecodeStep(model, compile=compile_decode)
+        self.decode_step = DecodeStep(model, compile=compile_decode, windows=pool.layout.windows)
         self.buffer: DecodeBuffer | None = None
         self.lookahead = Lookahead()
         self.grammars = grammars

@@ -49,7 +49,22 @@ class ExtendPlan:
         cols = mx.arange(P + L)
         prefix_ok = cols[None, :] < prefix_lens[:, None]  # (B, P+L)
         causal = (cols[None, :] >= P) & (cols[None, :] - P <= mx.arange(L)[:, None])  # (L, P+L)
-        self.mask = (prefix_ok[:, None, :] | causal[None, :, :])[:, None, :, :]
+        self._full = (prefix_ok[:, None, :] | causal[None, :, :])[:, None, :, :]
+        # positions: row b's query i is token prefix_len + i; column j < P is prefix token
+        # j, column P + i new token i
+        self._query_pos = prefix_lens[:, None] + mx.arange(L)[None, :]  # (B, L)
+        self._key_pos = mx.where(cols[None, :] < P, cols[None, :], self._query_pos[:, :1] + cols - P)
+        self._masks: dict[int, mx.array] = {}
+
+    def mask(self, window: int | None = None) -> mx.array:
+        """(B, 1, L, P+L): causal over each row's prefix and new tokens; with a window W,
+        a query sees only the W tokens ending at itself (mlx-lm's RotatingKVCache)."""
+        if window is None:
+            return self._full
+        if window not in self._masks:
+            distance = self._query_pos[:, :, None] - self._key_pos[:, None, :]  # (B, L, P+L)
+            self._masks[window] = self._full & (distance < window)[:, None, :, :]
+        return self._masks[window]
 
     @classmethod
     def for_reqs(cls, pool: MlxKVPool, reqs: list[ExtendReq]) -> ExtendPlan:
