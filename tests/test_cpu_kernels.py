@@ -62,8 +62,11 @@ def test_swiglu_matches_silu(rows, compiled):
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive"])
 @pytest.mark.parametrize("q_len", [1, 6])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled):
-    """Several queries per row take numpy's softmax, or the polynomial inside mx.compile."""
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled, with_sinks):
+    """Several queries per row take numpy's softmax, or the polynomial inside mx.compile;
+    attention sinks (gpt-oss: a logit per query head that takes weight without a value)
+    enter the softmax as mlx's own attention does."""
     keys = mx.random.split(mx.random.key(heads * 10 + kv_heads + q_len), 4)
     B, S, D = 4, 2100, 16  # over MIN_ELEMENTS scores even for one query per row
     q = mx.random.normal((B, heads, q_len, D), key=keys[0])
@@ -77,8 +80,10 @@ def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled):
         "bool": allowed,
         "additive": mx.where(allowed, 0.0, -1e9),
     }[mask_kind]
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
-    sdpa = partial(scaled_dot_product_attention, cache=None, scale=0.3, mask=mask)
+    # sinks around the scores' scale, so they take a real share of the weight
+    sinks = mx.random.normal((heads,), key=keys[3]) * 3 + 2 if with_sinks else None
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, sinks=sinks)
+    sdpa = partial(scaled_dot_product_attention, cache=None, scale=0.3, mask=mask, sinks=sinks)
     got = (mx.compile(sdpa) if compiled else sdpa)(q, k, v)
     assert got.shape == want.shape
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
@@ -179,18 +184,27 @@ def test_install_skips_models_not_using_the_stock_functions():
     assert cpu_kernels.install(Custom()) is None
 
 
-def test_quantized_kv_and_sinks_keep_the_stock_path(tiny_model):
-    """Attention sinks (and quantized KV caches) go to mlx-lm's own path."""
+def test_quantized_kv_keeps_the_stock_path(tiny_model):
+    """Quantized KV caches go to mlx-lm's own path; sinks take the kernels'."""
+    from mlx_lm.models import base
+    from mlx_lm.models.cache import QuantizedKVCache
+
     model, _ = load_model(tiny_model)
     with kernels_on(model) as module:
-        sinks = mx.zeros((4,))
-        q = mx.random.normal((1, 4, 3, 16), key=mx.random.key(0))
-        kv = mx.random.normal((1, 2, 3, 16), key=mx.random.key(1))
-        got = module.scaled_dot_product_attention(
-            q, kv, kv, None, scale=0.25, mask=None, sinks=sinks
-        )
-        want = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.25, mask=None, sinks=sinks)
+        cache = QuantizedKVCache(group_size=32, bits=8)
+        q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(0))
+        kv = mx.random.normal((1, 2, 3, 32), key=mx.random.key(1))
+        qk, qv = cache.update_and_fetch(kv, kv)
+        # (mlx-lm's quantized attention scales its queries in place: each call a copy)
+        got = module.scaled_dot_product_attention(q + 0, qk, qv, cache, scale=0.25, mask=None)
+        want = base.scaled_dot_product_attention(q + 0, qk, qv, cache, scale=0.25, mask=None)
         assert mx.array_equal(got, want).item()
+        sinks = mx.ones((4,))
+        q = mx.random.normal((2, 4, 1, 32), key=mx.random.key(2))
+        kv = mx.random.normal((2, 2, 700, 32), key=mx.random.key(3))
+        got = module.scaled_dot_product_attention(q, kv, kv, None, 0.25, None, sinks=sinks)
+        want = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.25, sinks=sinks)
+        assert mx.allclose(got, want, atol=1e-5).item()
 
 
 def test_batched_runner_with_kernels_matches_stock_generation(small_model):

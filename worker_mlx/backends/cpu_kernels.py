@@ -92,16 +92,22 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return (g / (1.0 + fast_exp(-g)) * x).astype(x.dtype)
 
 
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis, in float32."""
-    exps, sums = _exps_and_sums(scores.astype(mx.float32))
+def softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
+    """Softmax over the last axis, in float32; `sinks` (broadcastable to the rows) are
+    logits of one more column that takes weight but has no value (gpt-oss)."""
+    exps, sums = _exps_and_sums(scores.astype(mx.float32), sinks)
     return exps / sums
 
 
-def _exps_and_sums(s: mx.array) -> tuple[mx.array, mx.array]:
-    """exp(s - row max) and its row sums, on the graph."""
-    exps = fast_exp(s - _row_reduce(s, mx.max))
-    return exps, _row_reduce(exps, mx.sum)
+def _exps_and_sums(s: mx.array, sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """exp(s - row max) and its row sums (the sink's share included), on the graph."""
+    top = _row_reduce(s, mx.max)
+    if sinks is None:
+        exps = fast_exp(s - top)
+        return exps, _row_reduce(exps, mx.sum)
+    top = mx.maximum(top, sinks)
+    exps = fast_exp(s - top)
+    return exps, _row_reduce(exps, mx.sum) + fast_exp(sinks - top)
 
 
 def _row_reduce(x: mx.array, op: Callable) -> mx.array:
@@ -114,7 +120,9 @@ def _row_reduce(x: mx.array, op: Callable) -> mx.array:
     return op(op(blocks, axis=-2), axis=-1, keepdims=True)
 
 
-def host_exp(scores: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.array]:
+def host_exp(
+    scores: mx.array, mask: mx.array | None, sinks: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
     """The softmax of the last axis without its division: exp(scores - row max), masked
     entries 0, and 1 / each row's sum. The caller scales the attention output instead,
     which is D columns wide rather than S: one pass over the scores fewer (a prefill's
@@ -122,12 +130,16 @@ def host_exp(scores: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.arra
 
     Computed by numpy in place: float32 scores are overwritten (the attention's own score
     matrix, which nothing else reads). Inside `mx.compile`, where nothing can be evaluated,
-    it runs on the graph. Rows must keep at least one unmasked key, as every plan's do."""
+    it runs on the graph. Rows must keep at least one unmasked key, as every plan's do.
+    `sinks` as in `softmax`."""
     scores = scores.astype(mx.float32)
     if mask is not None and mask.dtype != mx.bool_:
         mask = mask.astype(mx.float32)  # numpy has no bfloat16
-    if not _evaluated(scores, *([] if mask is None else [mask])):
-        exps, sums = _exps_and_sums(_masked(scores, mask))
+    if sinks is not None:
+        sinks = sinks.astype(mx.float32)
+    given = [a for a in (mask, sinks) if a is not None]
+    if not _evaluated(scores, *given):
+        exps, sums = _exps_and_sums(_masked(scores, mask), sinks)
         return exps, 1.0 / sums
     s = np.asarray(memoryview(scores))  # a writable view of the buffer, no copy
     if mask is not None:
@@ -137,9 +149,16 @@ def host_exp(scores: mx.array, mask: mx.array | None) -> tuple[mx.array, mx.arra
             np.copyto(s[..., first:], -np.inf, where=~m[..., first:])
         else:
             s += m
-    np.subtract(s, s.max(axis=-1, keepdims=True), out=s)
+    top = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(memoryview(sinks))
+        top = np.maximum(top, sink)
+    np.subtract(s, top, out=s)
     np.exp(s, out=s)
-    return scores, mx.array(np.reciprocal(s.sum(axis=-1, keepdims=True)))
+    sums = s.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        sums += np.exp(sink - top)
+    return scores, mx.array(np.reciprocal(sums))
 
 
 def _first_hidden_column(mask: np.ndarray) -> int:
@@ -174,37 +193,45 @@ def scaled_dot_product_attention(
     mask: mx.array | str | None = None,
     sinks: mx.array | None = None,
 ) -> mx.array:
-    """mlx-lm's base.scaled_dot_product_attention for float K/V and no attention sinks.
+    """mlx-lm's base.scaled_dot_product_attention for float K/V, with or without attention
+    sinks (one learned logit per query head).
 
     Grouped-query heads share their K/V without copies: the query heads of one KV head
     are stacked along the sequence axis, so each KV head is one matmul."""
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
     if B * H * L * S < MIN_ELEMENTS:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
     rep = H // Hk
+    # per row of the (B, Hk, rep, L) scores
+    sink = None if sinks is None else sinks.reshape(1, Hk, rep, 1, 1)
     q = (queries * scale).reshape(B, Hk, rep * L, D)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unsupported attention mask {mask!r}")
         mask = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None] if L > 1 else None
     if L == 1:
-        return _one_query_attention(q, keys, values, mask).reshape(B, H, 1, -1)
+        sink = None if sink is None else sink[..., 0, :]
+        return _one_query_attention(q, keys, values, mask, sink).reshape(B, H, 1, -1)
     scores = (q @ keys.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
     if mask is not None:
         mask = mask[:, :, None] if mask.ndim == 4 else mask
-    exps, inv_sums = host_exp(scores, mask)
+    exps, inv_sums = host_exp(scores, mask, sink)
     out = exps.astype(values.dtype).reshape(B, Hk, rep * L, S) @ values
     out = out * inv_sums.reshape(B, Hk, rep * L, 1)
     return out.astype(values.dtype).reshape(B, H, L, values.shape[-1])
 
 
-def _one_query_attention(q: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
+def _one_query_attention(
+    q: mx.array, keys: mx.array, values: mx.array, mask, sinks: mx.array | None
+) -> mx.array:
     """Decode: one query per row. Scores as keys @ q^T, (S, D) x (D, rep), run 2-3x faster
     in OpenBLAS than q @ keys^T on a strided key buffer; they are turned back to (rep, S)
     rows, a small copy, because MLX's softmax runs 20% slower down columns."""
     scores = mx.contiguous((keys @ mx.contiguous(q.swapaxes(-1, -2))).swapaxes(-1, -2))
-    weights = softmax(_masked(scores, mask)).astype(values.dtype)
+    weights = softmax(_masked(scores, mask), sinks).astype(values.dtype)
     return weights @ values  # (B, Hk, rep, D)
 
 
@@ -250,19 +277,19 @@ def _stock_functions() -> dict[str, Callable]:
 
 
 def _sdpa_or_stock(stock: Callable) -> Callable:
-    """Quantized KV caches and attention sinks keep mlx-lm's own path."""
+    """Quantized KV caches keep mlx-lm's own path."""
 
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-        if sinks is not None or hasattr(cache, "bits"):
+        if hasattr(cache, "bits"):
             return stock(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask)
+        return scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
 
     return sdpa
 
 
 def agrees_with_stock(atol: float = 1e-5) -> bool:
     """A start-up check on random inputs big enough for the vectorised paths: SwiGLU, and
-    attention with and without masks, grouped-query, one query per row and many."""
+    attention with and without masks and sinks, grouped-query, one query per row and many."""
     k0, k1, k2, k3 = mx.random.split(mx.random.key(0), 4)
     k = mx.random.normal((2, 2, 600, 16), key=k1)
     v = mx.random.normal((2, 2, 600, 16), key=k2)
@@ -272,9 +299,9 @@ def agrees_with_stock(atol: float = 1e-5) -> bool:
         q = mx.random.normal((2, 4, L, 16), key=k0)
         mask = mx.random.uniform(shape=(2, 1, L, 600), key=k3) > 0.3
         mask[..., -1] = True  # every query sees at least one key
-        for m in (None, "causal", mask):
-            ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
-            checks.append((scaled_dot_product_attention(q, k, v, None, 0.25, m), ref))
+        for m, sinks in ((None, None), ("causal", None), (mask, None), (mask, x[0, :4])):
+            ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m, sinks=sinks)
+            checks.append((scaled_dot_product_attention(q, k, v, None, 0.25, m, sinks), ref))
     ok = all(mx.allclose(a, b, rtol=1e-5, atol=atol).item() for a, b in checks)
     if not ok:
         logger.warning("CPU kernels disagree with mlx's own; keeping mlx's")
