@@ -59,7 +59,7 @@ def test_swiglu_matches_silu(rows, compiled):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive", "per_head"])
 @pytest.mark.parametrize("q_len", [1, 6])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("with_sinks", [False, True])
@@ -79,6 +79,8 @@ def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled, with
         "causal": "causal",
         "bool": allowed,
         "additive": mx.where(allowed, 0.0, -1e9),
+        # a score bias per query head, as latent attention passes its RoPE scores
+        "per_head": mx.random.normal((B, heads, q_len, S), key=keys[0]) * mx.where(allowed, 1, 0),
     }[mask_kind]
     # sinks around the scores' scale, so they take a real share of the weight
     sinks = mx.random.normal((heads,), key=keys[3]) * 3 + 2 if with_sinks else None

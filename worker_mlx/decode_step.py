@@ -61,9 +61,7 @@ class DecodeStep:
         def step(tokens, column, left_pad, keys, values, width, lowest):
             columns = StepColumns(column, left_pad, width, lowest)
             offset = column - left_pad  # each row's RoPE position
-            caches = [
-                StepCache(offset, columns, k, v, w) for k, v, w in zip(keys, values, windows)
-            ]
+            caches = [StepCache(offset, columns, k, v, w) for k, v, w in zip(keys, values, windows)]
             logits = model(tokens, cache=caches)[:, -1, :]
             return logits, [c.keys for c in caches], [c.values for c in caches]
 

@@ -10,20 +10,17 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams,
 from common.server_args import ServerArgs
 from worker_mlx.backends import select
 from worker_mlx.grammar import Grammars
-from worker_mlx.kv_pool import MlxKVPool, pool_size
-from worker_mlx.model_probe import probe_kv_layout
+from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
+from worker_mlx.model_probe import UnsupportedModel, probe_kv_layout
 from worker_mlx.model_runner import ModelRunner
 
 logger = logging.getLogger("worker")
 
 
 def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
-    from mlx_lm import load
-
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
-    model, tokenizer, config = load(args.model_path, return_config=True)
-    layout = probe_kv_layout(model)
+    model, tokenizer, config, layout = _load_servable(args.model_path)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
     fraction = args.mem_fraction_static or backend.mem_fraction
     if args.max_total_tokens is not None:
@@ -35,15 +32,17 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     pool = MlxKVPool(layout, num_slots)
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
-    model_type = config.get("model_type", type(model).__module__.rsplit(".", 1)[-1])
+    model_type = _model_type(model, config)
     logger.info(
-        "model %s: %s, dtype %s, %d layers, %d KV heads, head dim %d, vocab %d, context %d",
+        "model %s: %s, dtype %s, %s, %d KV heads, %s, vocab %d, context %d",
         args.model_path,
         model_type,
         layout.dtype,
-        layout.num_layers,
+        describe_layers(layout),
         layout.n_kv_heads,
-        layout.head_dim,
+        f"head dim {layout.head_dim}"
+        if layout.v_head_dim is None
+        else f"key width {layout.head_dim}, value width {layout.v_head_dim}",
         vocab_size,
         context_len,
     )
@@ -80,6 +79,41 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         blas=blas,
     )
     return runner, ready
+
+
+def _load_servable(path: str):
+    """mlx-lm's load and the probe of what its layers cache; a model the worker cannot
+    serve ends the process with one line that says what was found."""
+    from mlx_lm import load
+
+    try:
+        model, tokenizer, config = load(path, return_config=True)
+    except Exception as exc:  # mlx-lm's own message names the model type it lacks
+        _refuse(path, f"mlx-lm cannot load it: {exc}")
+    try:
+        return model, tokenizer, config, probe_kv_layout(model)
+    except UnsupportedModel as exc:
+        _refuse(path, f"model type {_model_type(model, config)}: {exc}")
+
+
+def _refuse(path: str, reason: str):
+    logger.error("cannot serve %s: %s", path, reason)
+    raise SystemExit(2)
+
+
+def _model_type(model, config: dict) -> str:
+    return config.get("model_type", type(model).__module__.rsplit(".", 1)[-1])
+
+
+def describe_layers(layout: KVLayout) -> str:
+    """'4 layers' or '4 layers (3 with a 16-token window, 1 global)'."""
+    n = layout.num_layers
+    windows = sorted({w for w in layout.windows if w is not None})
+    if not windows:
+        return f"{n} layers"
+    local = sum(w is not None for w in layout.windows)
+    sizes = "/".join(str(w) for w in windows)
+    return f"{n} layers ({local} with a {sizes}-token sliding window, {n - local} global)"
 
 
 def batched_path_works(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-
 from mlx_lm.models import cache as mlx_cache
 
 from worker_mlx.kv_pool import KVLayout
@@ -68,7 +67,7 @@ def probe_kv_layout(model: nn.Module) -> KVLayout:
     try:
         mx.eval(model(mx.array([[0]]), cache=probes))
     except (AttributeError, TypeError, IndexError) as exc:
-        raise UnsupportedModel(f"its layers use their caches in a way not served ({exc})")
+        raise UnsupportedModel(f"its layers use their caches in a way not served ({exc})") from exc
     if any(p.shape is None for p in probes):
         raise UnsupportedModel("it has layers without a key/value cache")
     shapes = {(p.shape[1], p.shape[3], p.v_dim, p.dtype) for p in probes}

@@ -53,7 +53,8 @@ class ExtendPlan:
         # positions: row b's query i is token prefix_len + i; column j < P is prefix token
         # j, column P + i new token i
         self._query_pos = prefix_lens[:, None] + mx.arange(L)[None, :]  # (B, L)
-        self._key_pos = mx.where(cols[None, :] < P, cols[None, :], self._query_pos[:, :1] + cols - P)
+        new_pos = self._query_pos[:, :1] + cols - P
+        self._key_pos = mx.where(cols[None, :] < P, cols[None, :], new_pos)  # (B, P+L)
         self._masks: dict[int, mx.array] = {}
 
     def mask(self, window: int | None = None) -> mx.array:

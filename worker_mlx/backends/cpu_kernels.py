@@ -212,16 +212,25 @@ def scaled_dot_product_attention(
         if mask != "causal":
             raise ValueError(f"unsupported attention mask {mask!r}")
         mask = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None] if L > 1 else None
+    if mask is not None and mask.ndim == 4:
+        mask = _grouped(mask, Hk, rep)
     if L == 1:
         sink = None if sink is None else sink[..., 0, :]
+        mask = None if mask is None else mask[..., 0, :]
         return _one_query_attention(q, keys, values, mask, sink).reshape(B, H, 1, -1)
     scores = (q @ keys.swapaxes(-1, -2)).reshape(B, Hk, rep, L, S)
-    if mask is not None:
-        mask = mask[:, :, None] if mask.ndim == 4 else mask
     exps, inv_sums = host_exp(scores, mask, sink)
     out = exps.astype(values.dtype).reshape(B, Hk, rep * L, S) @ values
     out = out * inv_sums.reshape(B, Hk, rep * L, 1)
     return out.astype(values.dtype).reshape(B, H, L, values.shape[-1])
+
+
+def _grouped(mask: mx.array, Hk: int, rep: int) -> mx.array:
+    """A (B, H or 1, L, S) mask as (B, Hk, rep or 1, L, S), the grouped scores' layout: a
+    mask per query head (latent attention's score bias) follows its head into its group."""
+    if mask.shape[1] == 1:
+        return mask[:, :, None]
+    return mask.reshape(mask.shape[0], Hk, rep, *mask.shape[2:])
 
 
 def _one_query_attention(
