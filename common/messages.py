@@ -192,10 +192,13 @@ class WorkerHung:
 
 @dataclass
 class ReleaseReq:
-    """A request leaving the worker: flush its deferred KV to the pool, or drop it."""
+    """A request leaving the worker: flush its deferred KV to the pool, or drop it.
+    `snapshot` (models with recurrent layers, flush only): a state slot to copy the
+    request's final recurrent state into, the state after all the tokens it has KV for."""
 
     rid: str
     flush: bool
+    snapshot: int = 0
 
 
 @dataclass
@@ -210,6 +213,15 @@ class ExtendReq:
     # the outputs already generated (a retracted request resuming).
     context_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    # Models with recurrent layers (WorkerReady.num_state_slots > 0), in state slots
+    # 1..num_state_slots (0: none / the zero state). `state_slot`: the request's own
+    # working state, the same in every chunk. `prefix_state`: the slot holding the state
+    # after exactly the prefix_slot_ids tokens (a trie snapshot, or `state_slot` itself
+    # for a chunk continuation; 0 only with no prefix). `snapshots`: [n, slot] pairs,
+    # copy the state after the first n of input_ids into slot (1 <= n <= len(input_ids)).
+    state_slot: int = 0
+    prefix_state: int = 0
+    snapshots: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -260,6 +272,8 @@ class WorkerReady:
     vocab_size: int
     eos_token_ids: list[int]
     blas: str
+    # state slots for recurrent layers (1..num_state_slots; 0: the model has none)
+    num_state_slots: int = 0
 
 
 @dataclass
