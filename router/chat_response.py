@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from common.messages import Output
 from router.chat_format import ChatFormat
 from router.chat_output import OutputSplitter, finish_reason
+from router.constraints import after_thinking, check_tools, tool_choice, tool_grammar
+from router.generation import Tokenization
+from router.manager import RequestError
 
 
 @dataclass
@@ -19,6 +22,26 @@ class ChatPrompt:
     fmt: ChatFormat
     tools: list | None
     thinking: bool
+
+
+def plan_chat(
+    tok: Tokenization, messages, tools, choice, template_kwargs, grammar
+) -> tuple[list[int], ChatPrompt, tuple[str, str] | None]:
+    """(prompt ids, what the rendering decided, the output's grammar) of a chat with
+    OpenAI-shaped `messages`, `tools` and tool `choice`; `grammar` is the requested output
+    format's (router.constraints.output_grammar), which a forced tool call replaces."""
+    fmt = tok.chat_format
+    tools = check_tools(fmt, tools)
+    parse_tools, forced = tool_choice(choice, tools)
+    text = tok.render_chat(messages, tools, template_kwargs)
+    prompt = ChatPrompt(fmt, tools if parse_tools else None, fmt.starts_thinking(text))
+    if forced:
+        if grammar:
+            raise RequestError("a tool_choice that forces a call takes no output format")
+        grammar = tool_grammar(fmt, tools, forced, prompt.thinking)
+    elif grammar and prompt.thinking:
+        grammar = after_thinking(fmt, grammar)
+    return tok.encode_text(text), prompt, grammar
 
 
 def chat_renderer(

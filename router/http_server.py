@@ -20,14 +20,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from common.messages import Output
-from router.chat_response import ChatPrompt, chat_renderer
-from router.constraints import (
-    after_thinking,
-    check_tools,
-    output_grammar,
-    tool_choice,
-    tool_grammar,
-)
+from router.anthropic_api import anthropic_error_body
+from router.anthropic_messages import AnthropicRoutes
+from router.chat_response import chat_renderer, plan_chat
+from router.constraints import output_grammar
 from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
 from router.metrics import track_finish
@@ -44,6 +40,7 @@ from router.openai_api import (
 from router.responses import Choice, collect, stream
 
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
+_ANTHROPIC = "/v1/messages"  # paths of the Anthropic API (its error bodies)
 MAX_CHOICES = 64  # prompts x n in one request; each is a request of its own upstream
 
 _STATUS_CODES = {
@@ -71,23 +68,32 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     app.get("/metrics")(routes.metrics_text)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
+    anthropic = AnthropicRoutes(routes)
+    app.post("/v1/messages")(anthropic.messages)
+    app.post("/v1/messages/count_tokens")(anthropic.count_tokens)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     return app
 
 
-async def _request_error(_: Request, exc: RequestError):
-    return JSONResponse(error_body(exc.message, exc.code, exc.status), exc.status, exc.headers)
+def _error(path: str, message: str, code: str, status: int, headers=None) -> JSONResponse:
+    """The API's error body: Anthropic's on its paths, OpenAI's elsewhere."""
+    if path.startswith(_ANTHROPIC):
+        return JSONResponse(anthropic_error_body(message, status), status, headers=headers)
+    return JSONResponse(error_body(message, code, status), status, headers=headers)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError):
-    return JSONResponse(error_body(_describe(exc), "invalid_request_error", 400), 400)
+async def _request_error(request: Request, exc: RequestError):
+    return _error(request.url.path, exc.message, exc.code, exc.status, exc.headers)
 
 
-async def _http_error(_: Request, exc: HTTPException):
+async def _validation_error(request: Request, exc: RequestValidationError):
+    return _error(request.url.path, _describe(exc), "invalid_request_error", 400)
+
+
+async def _http_error(request: Request, exc: HTTPException):
     code = _STATUS_CODES.get(exc.status_code, "invalid_request_error")
-    body = error_body(str(exc.detail), code, exc.status_code)
-    return JSONResponse(body, exc.status_code, headers=exc.headers)
+    return _error(request.url.path, str(exc.detail), code, exc.status_code, exc.headers)
 
 
 class _Routes:
@@ -219,19 +225,10 @@ class _Routes:
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check(req)
-        fmt = self.tok.chat_format
-        tools = check_tools(fmt, req.tools)
-        parse_tools, forced = tool_choice(req.tool_choice, tools)
-        text = self.tok.render_chat(req.messages, tools, req.chat_template_kwargs)
-        ids = self.tok.encode_text(text)
-        prompt = ChatPrompt(fmt, tools if parse_tools else None, fmt.starts_thinking(text))
         grammar = output_grammar(req.response_format, req.regex, req.ebnf)
-        if forced:
-            if grammar:
-                raise RequestError("a tool_choice that forces a call takes no output format")
-            grammar = tool_grammar(fmt, tools, forced, prompt.thinking)
-        elif grammar and prompt.thinking:
-            grammar = after_thinking(fmt, grammar)
+        ids, prompt, grammar = plan_chat(
+            self.tok, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs, grammar
+        )
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
@@ -272,6 +269,7 @@ class _Guard:
     def __init__(self, app, api_key: str | None, max_bytes: int):
         self.app = app
         self.bearer = f"Bearer {api_key}".encode() if api_key else None
+        self.key = api_key.encode() if api_key else None  # Anthropic's x-api-key header
         self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send):
@@ -279,12 +277,16 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.bearer is not None and scope["path"].startswith(_GUARDED):
-            if headers.get(b"authorization") != self.bearer:
-                body = error_body("invalid or missing API key", "invalid_api_key", 401)
-                return await JSONResponse(body, 401)(scope, receive, send)
+            if (
+                headers.get(b"authorization") != self.bearer
+                and headers.get(b"x-api-key") != self.key
+            ):
+                reply = _error(scope["path"], "invalid or missing API key", "invalid_api_key", 401)
+                return await reply(scope, receive, send)
         size = headers.get(b"content-length", b"")
         if size.isdigit() and int(size) > self.max_bytes:
-            return await JSONResponse(self._too_large(int(size)), 413)(scope, receive, send)
+            reply = _error(scope["path"], self._too_large(int(size)), "request_too_large", 413)
+            return await reply(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -293,14 +295,13 @@ class _Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise HTTPException(413, self._too_large(seen)["error"]["message"])
+                    raise HTTPException(413, self._too_large(seen))
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _too_large(self, size: int) -> dict:
-        msg = f"request body of {size} bytes exceeds the limit of {self.max_bytes} bytes"
-        return error_body(msg, "request_too_large", 413)
+    def _too_large(self, size: int) -> str:
+        return f"request body of {size} bytes exceeds the limit of {self.max_bytes} bytes"
 
 
 async def _respond(req, request: Request, choices: list[Choice]):

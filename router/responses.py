@@ -63,6 +63,28 @@ def _usage(choices: list[Choice], wholes: list[Output]) -> dict:
     return usage(prompt, sum(w.completion_tokens for w in wholes), cached)
 
 
+async def whole(request: Request, chunks: AsyncIterator[Output]) -> Output:
+    """All of one generation; 499 if the client goes away first."""
+
+    async def run() -> Output:
+        acc = OutputAccumulator()
+        async with _closing(chunks):
+            async for c in chunks:
+                acc.add(c)
+        return acc.output()
+
+    return await _unless_disconnected(request, run())
+
+
+async def first_chunk(request: Request, chunks: AsyncIterator[Output]) -> Output:
+    """The first chunk of a generation about to stream, so early errors get a 4xx."""
+    try:
+        return await _unless_disconnected(request, anext(chunks))
+    except BaseException:
+        await _aclose_shielded(chunks)
+        raise
+
+
 async def stream(request: Request, choices: list[Choice], include_usage: bool):
     """Server-sent events; every choice's first chunk is awaited first, so early errors
     get a 4xx.

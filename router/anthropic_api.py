@@ -1,0 +1,180 @@
+"""Anthropic Messages API request bodies, their translation into the chat the template
+renders (OpenAI-shaped messages, tools and tool choice, as router.constraints takes
+them), and Anthropic's error body."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+from router.manager import RequestError
+
+# HTTP status -> Anthropic's error type
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(message: str, status: int) -> dict:
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class CountTokensRequest(BaseModel):
+    """The prompt of a Messages request: what count_tokens counts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    def openai_messages(self) -> list[dict]:
+        out = [{"role": "system", "content": system_text(self.system)}] if self.system else []
+        for i, message in enumerate(self.messages):
+            out += _message(i, message)
+        return out
+
+    def openai_tools(self) -> list[dict] | None:
+        if not self.tools:
+            return None
+        tools = []
+        for i, tool in enumerate(self.tools):
+            if not isinstance(tool.get("name"), str):
+                raise RequestError(f"tools.{i}.name: a tool needs a string name")
+            function = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
+            if tool.get("description"):
+                function["description"] = tool["description"]
+            tools.append({"type": "function", "function": function})
+        return tools
+
+    def openai_tool_choice(self):
+        """Anthropic's tool_choice as OpenAI's (router.constraints.tool_choice)."""
+        choice = self.tool_choice or {"type": "auto"}
+        kind = choice.get("type")
+        if kind in ("auto", "none"):
+            return kind
+        if kind == "any":
+            return "required"
+        if kind == "tool" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        raise RequestError("tool_choice.type must be auto, any, tool (with a name) or none")
+
+    def template_kwargs(self) -> dict:
+        """`thinking` as the template's switch; without it, the model's default."""
+        kind = (self.thinking or {}).get("type")
+        if kind is None:
+            return {}
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise RequestError("thinking.type must be enabled, disabled or adaptive")
+        return {"enable_thinking": kind != "disabled"}
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt
+    stop_sequences: list[str] | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    metadata: dict[str, Any] | None = None
+    stream: StrictBool | None = False
+    # structured output: Anthropic's output_config.format (json_schema), SGLang's regex/ebnf
+    output_config: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def response_format(self) -> dict | None:
+        """output_config.format as OpenAI's response_format (router.constraints)."""
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise RequestError("output_config.format must be {'type': 'json_schema', 'schema'}")
+        return {"type": "json_schema", "json_schema": {"schema": fmt.get("schema", {})}}
+
+    def stop_strings(self) -> list[str]:
+        return list(self.stop_sequences or [])
+
+
+def system_text(system: str | list) -> str:
+    if isinstance(system, str):
+        return system
+    return "".join(_text_block(b, f"system.{i}") for i, b in enumerate(system))
+
+
+def _message(i: int, message: dict) -> list[dict]:
+    """One Anthropic message as OpenAI messages: a user turn's tool results become `tool`
+    messages (before its text), an assistant's tool_use blocks its `tool_calls`."""
+    role, content = message.get("role"), message.get("content")
+    if role not in ("user", "assistant"):
+        raise RequestError(f"messages.{i}.role must be user or assistant")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise RequestError(f"messages.{i}.content must be a string or a list of blocks")
+    text, calls, results = [], [], []
+    for j, block in enumerate(content):
+        where = f"messages.{i}.content.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            text.append(_text_block(block, where))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # templates drop earlier turns' thinking
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, where))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, where))
+        else:
+            raise RequestError(f"{where}: a {role} message cannot hold a {kind!r} block here")
+    out = results
+    if role == "assistant":
+        turn = {"role": "assistant", "content": "".join(text)}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    elif text or not results:
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _text_block(block, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        raise RequestError(f"{where}: only text blocks are supported here")
+    if not isinstance(block.get("text"), str):
+        raise RequestError(f"{where}: a text block needs a string 'text'")
+    return block["text"]
+
+
+def _tool_use(block: dict, where: str) -> dict:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise RequestError(f"{where}: a tool_use block needs a string id and name")
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where}.input must be an object")
+    call = {"name": block["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}
+    return {"id": block["id"], "type": "function", "function": call}
+
+
+def _tool_result(block: dict, where: str) -> dict:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise RequestError(f"{where}: a tool_result block needs a string tool_use_id")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        content = "".join(_text_block(b, f"{where}.content.{k}") for k, b in enumerate(content))
+    elif not isinstance(content, str):
+        raise RequestError(f"{where}.content must be a string or a list of text blocks")
+    if block.get("is_error"):
+        content = f"Error: {content}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}

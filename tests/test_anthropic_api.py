@@ -1,0 +1,205 @@
+"""The Anthropic Messages API through the official `anthropic` SDK against a real server on
+the agent model (thinking and tool-call tokens; tests/agent_model.py), run with --api-key:
+the SDK sends `x-api-key`, the OpenAI SDK `Authorization: Bearer`, and both get in. The
+random-weight model's output is forced by grammars where its content matters."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server import ServerProcess
+from tests.test_tools_api import UNICODE_ARGS, WEATHER
+
+KEY = "sekret"
+TOOLS = [
+    {"name": "get_weather", "description": "forecast", "input_schema": WEATHER},
+    {
+        "name": "search",
+        "input_schema": {
+            "type": "object",
+            "properties": {"query": {"const": UNICODE_ARGS["query"]}},
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+    },
+]
+SYSTEM = [{"type": "text", "text": "You are a helpful agent."}]
+ASK = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}]
+
+
+@pytest.fixture(scope="module")
+def server(agent_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("anthropic") / "server.log"
+    extra = ["--max-total-tokens", "8192", "--debug-invariants", "--served-model-name", "m"]
+    srv = ServerProcess(agent_model, log, extra=[*extra, "--api-key", KEY])
+    srv.start()
+    yield srv
+    alive = srv.proc.poll() is None
+    srv.stop()
+    assert alive, "the server died during the tests:\n" + srv.log()[-3000:]
+    assert "Traceback" not in srv.log()
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0) as client:
+        yield client
+
+
+def create(claude, **kw):
+    """messages.create; this SDK has no sampling arguments (temperature, top_p, top_k):
+    they go in the body as the API takes them."""
+    kw.setdefault("model", "m")
+    kw.setdefault("max_tokens", 120)
+    kw.setdefault("system", SYSTEM)
+    kw.setdefault("messages", ASK)
+    sampling = {k: kw.pop(k) for k in ("temperature", "top_p", "top_k") if k in kw}
+    kw["extra_body"] = {"temperature": 0.0, **sampling, **kw.get("extra_body", {})}
+    return claude.messages.create(**kw)
+
+
+def test_tool_use_round_trip(claude):
+    first = create(claude, tools=TOOLS, tool_choice={"type": "any"}, metadata={"user_id": "u1"})
+    assert first.stop_reason == "tool_use" and first.id.startswith("msg_")
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert use.name in ("get_weather", "search") and use.id
+    if use.name == "get_weather":
+        jsonschema.validate(use.input, WEATHER)
+    assert first.usage.cache_read_input_tokens + first.usage.input_tokens > 0
+    history = ASK + [
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": use.id,
+                    "content": [{"type": "text", "text": "sunny"}],
+                },
+                {"type": "text", "text": "And tomorrow?"},
+            ],
+        },
+    ]
+    second = create(
+        claude, messages=history, tools=TOOLS, tool_choice={"type": "none"}, max_tokens=6
+    )
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in second.content if b.type == "tool_use"] == []
+    # everything before the new turn came from the radix cache
+    total = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert second.usage.cache_read_input_tokens >= total - 8
+
+
+def test_named_tool_streams_input_json(claude):
+    choice = {"type": "tool", "name": "search"}
+    with claude.messages.stream(
+        model="m",
+        max_tokens=120,
+        system=SYSTEM,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        extra_body={"temperature": 0.0},
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "message_delta" in kinds
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert use.name == "search" and use.input == {"query": UNICODE_ARGS["query"]}
+    assert final.stop_reason == "tool_use"
+
+
+def test_thinking_blocks(claude):
+    """Thinking on: the template opens <think>; a regex forces thought, end marker, text."""
+    body = {"regex": "[a-z]{3,10}</think>[a-z]{2,6}"}
+    whole = create(claude, thinking={"type": "enabled", "budget_tokens": 1024}, extra_body=body)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking.isalpha() and whole.content[1].text.isalpha()
+    with claude.messages.stream(
+        model="m",
+        max_tokens=120,
+        messages=ASK,
+        system=SYSTEM,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={**body, "temperature": 0.0},
+    ) as stream:
+        deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" in deltas and "text_delta" in deltas
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    off = create(claude, thinking={"type": "disabled"}, extra_body={"regex": "[a-z]{3,10}"})
+    assert [b.type for b in off.content] == ["text"]
+
+
+def test_stop_sequences_and_sampling(claude):
+    off = {"type": "disabled"}
+    forced = {"regex": "abcdefgh"}
+    cut = create(claude, thinking=off, stop_sequences=["never", "cd"], extra_body=forced)
+    assert (cut.stop_reason, cut.stop_sequence, cut.content[0].text) == (
+        "stop_sequence",
+        "cd",
+        "ab",
+    )
+    whole = create(claude, thinking=off, stop_sequences=["never"], extra_body=forced)
+    assert (whole.stop_reason, whole.content[0].text) == ("end_turn", "abcdefgh")
+    short = create(claude, thinking=off, max_tokens=2, extra_body=forced)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+    for seed in range(2):
+        out = create(
+            claude, max_tokens=6, temperature=1.0, top_p=0.9, top_k=20, extra_body={"seed": seed}
+        )
+        assert 1 <= out.usage.output_tokens <= 6
+
+
+def test_output_config_json_schema(claude):
+    fmt = {"format": {"type": "json_schema", "schema": WEATHER}}
+    out = create(claude, output_config=fmt)
+    (text,) = [b.text for b in out.content if b.type == "text"]
+    jsonschema.validate(json.loads(text), WEATHER)
+
+
+def test_count_tokens_equals_reported_prompt(claude):
+    ask = [{"role": "user", "content": "a question nobody asked before: count me"}]
+    counted = claude.messages.count_tokens(model="m", system="be brief", messages=ask, tools=TOOLS)
+    out = create(claude, system="be brief", messages=ask, tools=TOOLS, max_tokens=2)
+    assert counted.input_tokens == out.usage.input_tokens + out.usage.cache_read_input_tokens
+
+
+def test_errors_are_anthropic_shaped(claude, server):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        create(claude, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+    assert err.value.body["type"] == "error" and "image" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        create(claude, tools=TOOLS, tool_choice={"type": "tool", "name": "nope"})
+    with pytest.raises(anthropic.NotFoundError):
+        create(claude, model="claude-opus")
+    bad = httpx.post(server.url + "/v1/messages", json={"model": "m"}, headers={"x-api-key": KEY})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(anthropic.AuthenticationError) as err:
+            create(wrong)
+    assert err.value.body["error"]["type"] == "authentication_error"
+
+
+def test_bearer_and_x_api_key_both_work(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as oai:
+        assert (
+            oai.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens
+            >= 1
+        )
+    no_key = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    with_key = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"x-api-key": KEY},
+    )
+    assert with_key.status_code == 200
+    assert json.loads(with_key.text)["usage"]["completion_tokens"] == 1
