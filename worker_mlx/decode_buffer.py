@@ -9,6 +9,9 @@ puts it together with the pool's part.
 When requests leave, their rows go dead (computed, never read) and requests that join
 later take them over (`admit`), so a change in the running set costs the joining rows,
 not a rebuild of every row from the pool.
+
+A model's recurrent layers keep one state per row here, not per column: a step replaces
+it, `flush` writes it to the row's working state slot with the columns.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import mlx.core as mx
 
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.kv_pool import MlxKVPool
+from worker_mlx.state_pool import StatePool
 
 
 class DecodeBuffer:
@@ -27,9 +31,17 @@ class DecodeBuffer:
     COMPACT_COLUMNS = 128
 
     def __init__(
-        self, pool: MlxKVPool, rids: list[str], slots: list[list[int]], free_columns: int = 1
-    ):
+        self, pool: MlxKVPool, rids: list[str], slots: list[list[int]], free_columns: int = 1,
+        states: StatePool | None = None, state_slots: list[int] = (),
+        state_from: list[int] | None = None,
+    ):  # fmt: skip
         self.pool = pool
+        # recurrent layers: each row's state, gathered from `state_from` (default: the
+        # rows' own working `state_slots`) and flushed to the working slots
+        self.states = states
+        self.state_home: list[int] = list(state_slots)
+        self.state = self._gather_states(state_from if state_from is not None else state_slots)
+        self._state_before: list[list[mx.array]] | None = None
         # row -> request (None: a dead row); a copy, as the caller's list may change
         self.rids: list[str | None] = list(rids)
         lens = [len(s) for s in slots]
@@ -69,7 +81,7 @@ class DecodeBuffer:
         """Rows of requests that left go dead (flush them first if their KV is wanted)."""
         self.rids = [None if rid in rids else rid for rid in self.rids]
 
-    def admit(self, rids: list[str], slots: list[list[int]]) -> bool:
+    def admit(self, rids: list[str], slots: list[list[int]], state_slots: list[int] = ()) -> bool:
         """Make the live rows exactly `rids` (whose KV must all be in the pool): requests
         that left go dead, joining ones take dead rows. False when a rebuild is due: the
         joining ones do not fit (no dead row, or more tokens than columns before the next
@@ -86,6 +98,9 @@ class DecodeBuffer:
             return False
         if joining:
             self._fill(free[: len(joining)], [s for _, s in joining])
+            if self.states is not None:
+                homes = dict(zip(rids, state_slots))
+                self._fill_states(free[: len(joining)], [homes[rid] for rid, _ in joining])
         for row, (rid, s) in zip(free, joining):
             self.rids[row] = rid
             self.left_pad[row] = self.idx - len(s)
@@ -104,16 +119,19 @@ class DecodeBuffer:
     def step(self, step: DecodeStep, tokens: mx.array) -> mx.array:
         """One decode step of every row (tokens (B, 1)); writes column `idx`; the logits."""
         self._make_room()
-        logits, self.keys, self.values = step(
-            tokens, self.idx, self._left_pad_arr, self.keys, self.values
+        self._state_before = self.state
+        logits, self.keys, self.values, self.state = step(
+            tokens, self.idx, self._left_pad_arr, self.keys, self.values, self.state
         )
         self.idx += 1
         return logits
 
     def unstep(self) -> None:
-        """Forget the last step's column (a step computed ahead that was not wanted); the
-        next step overwrites it."""
+        """Forget the last step (one computed ahead that was not wanted): the next step
+        overwrites its column, and the recurrent states are the ones before it."""
         self.idx -= 1
+        if self._state_before is not None:
+            self.state = self._state_before
 
     def pending(self) -> int:
         """Decode tokens per row that are only in the buffer, not yet in the pool."""
@@ -137,10 +155,32 @@ class DecodeBuffer:
                 k = k.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, D)
                 v = v.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, v.shape[3])
                 self.pool.write(layer, flat_slots, k, v)
+        if n and rows and self.states is not None:
+            row_idx = mx.array(rows, dtype=mx.int32)
+            homes = mx.array([self.state_home[i] for i in rows], dtype=mx.int32)
+            for layer, arrays in enumerate(self.state):
+                self.states.write(layer, homes, [a[row_idx] for a in arrays])
         self.flushed = self.idx
 
     def arrays(self) -> list[mx.array]:
-        return self.keys + self.values
+        return self.keys + self.values + [a for layer in self.state for a in layer]
+
+    def _gather_states(self, slots: list[int]) -> list[list[mx.array]]:
+        if self.states is None:
+            return []
+        idx = mx.array(slots, dtype=mx.int32)
+        return [self.states.gather(layer, idx) for layer in range(self.states.layout.num_layers)]
+
+    def _fill_states(self, rows: list[int], homes: list[int]) -> None:
+        """Joining rows' states from their working slots."""
+        joined = self._gather_states(homes)
+        at = mx.array(rows, dtype=mx.int32)
+        self._state_before = None  # written in place below: no step to take back
+        for layer, arrays in enumerate(self.state):
+            for i, a in enumerate(arrays):
+                a[at] = joined[layer][i]
+        for row, home in zip(rows, homes):
+            self.state_home[row] = home
 
     # ------------------------------------------------------------ columns
 

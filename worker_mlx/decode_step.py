@@ -18,7 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.layer_caches import StepCache, StepColumns
+from worker_mlx.kv_pool import KVLayout
+from worker_mlx.layer_caches import StateCache, StepCache, StepColumns
 
 # Attention width granularity: masked columns past the current one cost attention work
 # (at batch 8 and 300 tokens, 256-column steps made a decode step 25% slower than 64).
@@ -39,16 +40,16 @@ def attention_width(column: int, capacity: int) -> tuple[int, int]:
 
 
 class DecodeStep:
-    """step(tokens (B, 1), column, left_pad (B,), keys, values) -> (logits (B, V), keys,
-    values), the per-layer buffers with column `column` written (in place: MLX donates
-    them)."""
+    """step(tokens (B, 1), column, left_pad (B,), keys, values, states) -> (logits (B, V),
+    keys, values, states): the per-layer buffers with column `column` written (in place:
+    MLX donates them), and the recurrent layers' states (B rows each) after the step."""
 
     def __init__(
-        self, model: nn.Module, compile: bool, windows: tuple[int | None, ...] = (),
-        max_traces: int = MAX_TRACES,
-    ):  # fmt: skip
+        self, model: nn.Module, compile: bool, layout: KVLayout, max_traces: int = MAX_TRACES
+    ):
         self.model = model
-        self.windows = windows or (None,) * len(model.layers)
+        self.layout = layout
+        self.windows = layout.windows or (None,) * layout.num_layers
         self.compiles = compile
         self.max_traces = max_traces
         self.shapes: set[tuple[int, int, int]] = set()
@@ -56,14 +57,17 @@ class DecodeStep:
         self._step = self._compile() if compile else self._function()
 
     def _function(self):
-        model, windows = self.model, self.windows
+        model, windows, layout = self.model, self.windows, self.layout
 
-        def step(tokens, column, left_pad, keys, values, width, lowest):
+        def step(tokens, column, left_pad, keys, values, states, width, lowest):
             columns = StepColumns(column, left_pad, width, lowest)
             offset = column - left_pad  # each row's RoPE position
-            caches = [StepCache(offset, columns, k, v, w) for k, v, w in zip(keys, values, windows)]
+            kv = [StepCache(offset, columns, k, v, w) for k, v, w in zip(keys, values, windows)]
+            recurrent = [StateCache(len(s), s, None) for s in states]
+            caches = layout.in_model_order(kv, recurrent) if recurrent else kv
             logits = model(tokens, cache=caches)[:, -1, :]
-            return logits, [c.keys for c in caches], [c.values for c in caches]
+            new_states = [c.state for c in recurrent]
+            return logits, [c.keys for c in kv], [c.values for c in kv], new_states
 
         return step
 
@@ -79,7 +83,8 @@ class DecodeStep:
         left_pad: mx.array,
         keys: list[mx.array],
         values: list[mx.array],
-    ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        states: list[list[mx.array]] = (),
+    ) -> tuple[mx.array, list[mx.array], list[mx.array], list[list[mx.array]]]:
         capacity = keys[0].shape[2]
         if self.compiles:
             width, lowest = attention_width(column, capacity)
@@ -91,4 +96,4 @@ class DecodeStep:
         else:
             width, lowest = column + 1, column
         at = mx.array([column], dtype=mx.int32)
-        return self._step(tokens, at, left_pad, keys, values, width, lowest)
+        return self._step(tokens, at, left_pad, keys, values, list(states), width, lowest)

@@ -28,6 +28,9 @@ class KVLayout:
     # per layer, the sliding window it attends (None: every token before it); () when all
     # layers attend everything
     windows: tuple[int | None, ...] = ()
+    # where the model's recurrent layers sit in its list of caches (mlx-lm's make_cache
+    # order); the other positions are the KV layers, in order
+    recurrent: tuple[int, ...] = ()
 
     @property
     def value_dim(self) -> int:
@@ -40,6 +43,13 @@ class KVLayout:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def in_model_order(self, kv: list, states: list) -> list:
+        """One list of caches for the model: `kv` (one per KV layer) and `states` (one per
+        recurrent layer) interleaved as the model's layers use them."""
+        kv_it, state_it = iter(kv), iter(states)
+        total = self.num_layers + len(self.recurrent)
+        return [next(state_it) if i in self.recurrent else next(kv_it) for i in range(total)]
 
 
 class MlxKVPool:

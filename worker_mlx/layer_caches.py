@@ -11,6 +11,8 @@ implements that protocol three times, for three moments of a request:
   traced by `mx.compile`.
 
 A new layer kind is a change to this file: each class says what its layers see. A
+recurrent layer (mlx-lm's `ArraysCache`: conv and SSM / gated-delta state) gets a
+`StateCache` over the states its rows start from. A
 sliding-window layer (mlx-lm's `RotatingKVCache(max_size=W)`) sees the same slots as any
 other, and the model asks for its mask with `make_mask(N, window_size=W)`: the window is
 applied there, so it attends exactly the W tokens mlx-lm's rotating cache holds. In a
@@ -129,3 +131,31 @@ class StepCache:
         self.values = mx.slice_update(self.values, values, c.column, axes=(2,))
         start = c.start(self.window)
         return self.keys[:, :, start : c.width], self.values[:, :, start : c.width]
+
+
+class StateCache:
+    """A recurrent layer's cache (mlx-lm's `ArraysCache` protocol: `cache[i]` read and
+    set, `lengths`, `make_mask`, `advance`) over given initial states: the layer reads
+    `cache[i]`, runs its tokens and sets the new state. Rows are right-padded to the
+    longest; `lengths` tells the layer where each row's tokens end (None: all full), so
+    padding neither enters the state nor the conv window."""
+
+    def __init__(self, size: int, initial: list[mx.array] | None, lengths: mx.array | None):
+        # None entries: the zero state, which the layer creates itself (as from mlx-lm's
+        # own empty cache, so a cold batch computes exactly what mlx-lm does)
+        self.state: list[mx.array | None] = list(initial) if initial else [None] * size
+        self.lengths = lengths
+
+    def __getitem__(self, i: int) -> mx.array | None:
+        return self.state[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.state[i] = value
+
+    def make_mask(self, N: int, **kwargs) -> mx.array | None:
+        if self.lengths is None:
+            return None
+        return mx.arange(N)[None, :] < self.lengths[:, None]
+
+    def advance(self, N: int) -> None:
+        """mlx-lm's caches count down their lengths here; ours are per pass."""

@@ -11,8 +11,9 @@ from common.server_args import ServerArgs
 from worker_mlx.backends import select
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
-from worker_mlx.model_probe import UnsupportedModel, probe_kv_layout
+from worker_mlx.model_probe import UnsupportedModel, probe_layout
 from worker_mlx.model_runner import ModelRunner
+from worker_mlx.state_pool import StateLayout, StatePool, state_slots
 
 logger = logging.getLogger("worker")
 
@@ -20,54 +21,23 @@ logger = logging.getLogger("worker")
 def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
-    model, tokenizer, config, layout = _load_servable(args.model_path)
+    model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
-    fraction = args.mem_fraction_static or backend.mem_fraction
-    if args.max_total_tokens is not None:
-        num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
-    else:
-        budget = backend.memory_budget()
-        num_slots = pool_size(layout, fraction, budget)
-        sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
-    pool = MlxKVPool(layout, num_slots)
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
     model_type = _model_type(model, config)
-    logger.info(
-        "model %s: %s, dtype %s, %s, %d KV heads, %s, vocab %d, context %d",
-        args.model_path,
-        model_type,
-        layout.dtype,
-        describe_layers(layout),
-        layout.n_kv_heads,
-        f"head dim {layout.head_dim}"
-        if layout.v_head_dim is None
-        else f"key width {layout.head_dim}, value width {layout.v_head_dim}",
-        vocab_size,
-        context_len,
-    )
-    logger.info(
-        "KV pool: %d tokens x %d bytes = %.1f MiB (%s)",
-        num_slots,
-        layout.bytes_per_slot,
-        num_slots * layout.bytes_per_slot / 2**20,
-        sizing,
-    )
+    _log_model(args.model_path, model_type, layout, vocab_size, context_len)
+    pool, states = _make_pools(args, backend, layout, state_layout)
     step = args.prefill_step_size or backend.prefill_step
     compiled = backend.compile_decode
-    batched = batched_path_works(model, layout, vocab_size, compiled, prefill_step=step)
-    if not batched:
-        logger.warning(
-            "this model's attention cannot run batched with per-row offsets: every request "
-            "runs as its own batch (correct, but slower)"
-        )
+    batched, pad = _batching(model, layout, vocab_size, compiled, step, state_layout)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
-        grammars=grammars,
+        grammars=grammars, states=states, pad_prefill=pad,
     )  # fmt: skip
     ready = WorkerReady(
-        num_slots=num_slots,
+        num_slots=pool.num_slots,
         model_type=model_type,
         num_layers=layout.num_layers,
         n_kv_heads=layout.n_kv_heads,
@@ -77,8 +47,52 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         vocab_size=vocab_size,
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         blas=blas,
+        num_state_slots=states.num_slots if states is not None else 0,
     )
     return runner, ready
+
+
+def _make_pools(
+    args: ServerArgs, backend, layout: KVLayout, state_layout: StateLayout | None
+) -> tuple[MlxKVPool, StatePool | None]:
+    """The KV pool (--max-total-tokens, or the backend's budget) and, for a model with
+    recurrent layers, the state pool, whose share is taken from the budget first."""
+    budget = None if args.max_total_tokens is not None else backend.memory_budget()
+    fraction = args.mem_fraction_static or backend.mem_fraction
+    states = None
+    if state_layout is not None:
+        share = None if budget is None else int(budget * fraction)
+        n = state_slots(state_layout, share, args.max_running_requests)
+        states = StatePool(state_layout, n)
+        logger.info(
+            "state pool: %d slots x %d bytes = %.1f MiB (%d recurrent layers)",
+            n, state_layout.bytes_per_slot, n * state_layout.bytes_per_slot / 2**20,
+            state_layout.num_layers,
+        )  # fmt: skip
+    if budget is None:
+        num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
+    else:
+        taken = 0 if states is None else states.num_slots * state_layout.bytes_per_slot
+        num_slots = pool_size(layout, fraction, budget - int(taken / fraction))
+        sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
+    logger.info(
+        "KV pool: %d tokens x %d bytes = %.1f MiB (%s)",
+        num_slots, layout.bytes_per_slot, num_slots * layout.bytes_per_slot / 2**20, sizing,
+    )  # fmt: skip
+    return MlxKVPool(layout, num_slots), states
+
+
+def _log_model(path: str, model_type: str, layout: KVLayout, vocab: int, context: int) -> None:
+    widths = (
+        f"head dim {layout.head_dim}"
+        if layout.v_head_dim is None
+        else f"key width {layout.head_dim}, value width {layout.v_head_dim}"
+    )
+    logger.info(
+        "model %s: %s, dtype %s, %s, %d KV heads, %s, vocab %d, context %d",
+        path, model_type, layout.dtype, describe_layers(layout), layout.n_kv_heads, widths,
+        vocab, context,
+    )  # fmt: skip
 
 
 def _load_servable(path: str):
@@ -91,7 +105,7 @@ def _load_servable(path: str):
     except Exception as exc:  # mlx-lm's own message names the model type it lacks
         _refuse(path, f"mlx-lm cannot load it: {exc}")
     try:
-        return model, tokenizer, config, probe_kv_layout(model)
+        return model, tokenizer, config, probe_layout(model)
     except UnsupportedModel as exc:
         _refuse(path, f"model type {_model_type(model, config)}: {exc}")
 
@@ -106,32 +120,66 @@ def _model_type(model, config: dict) -> str:
 
 
 def describe_layers(layout: KVLayout) -> str:
-    """'4 layers' or '4 layers (3 with a 16-token window, 1 global)'."""
+    """What the layers attend, e.g. '4 attention layers (3 with a 16-token sliding window,
+    1 global)' or '1 attention layer + 3 recurrent'."""
     n = layout.num_layers
+    out = f"{n} attention layer{'s' if n != 1 else ''}"
     windows = sorted({w for w in layout.windows if w is not None})
-    if not windows:
-        return f"{n} layers"
-    local = sum(w is not None for w in layout.windows)
-    sizes = "/".join(str(w) for w in windows)
-    return f"{n} layers ({local} with a {sizes}-token sliding window, {n - local} global)"
+    if windows:
+        local = sum(w is not None for w in layout.windows)
+        sizes = "/".join(str(w) for w in windows)
+        out += f" ({local} with a {sizes}-token sliding window, {n - local} global)"
+    if layout.recurrent:
+        out += f" + {len(layout.recurrent)} recurrent"
+    return out
+
+
+def _batching(model, layout, vocab_size, compiled, step, state_layout) -> tuple[bool, bool]:
+    """(batched, pad_prefill): the fastest way of running requests together that the
+    self-check finds exact."""
+    check = dict(prefill_step=step, state_layout=state_layout)
+    if batched_path_works(model, layout, vocab_size, compiled, **check):
+        return True, True
+    if batched_path_works(model, layout, vocab_size, compiled, pad_prefill=False, **check):
+        logger.info(
+            "prefill rows of different lengths run in separate passes: this model's "
+            "recurrent layers cannot take right-padded rows (decode stays batched)"
+        )
+        return True, False
+    logger.warning(
+        "this model's attention cannot run batched with per-row offsets: every request "
+        "runs as its own batch (correct, but slower)"
+    )
+    return False, True
 
 
 def batched_path_works(
-    model, layout, vocab_size: int, compile_decode: bool = False, prefill_step: int = 256
-) -> bool:
+    model, layout, vocab_size: int, compile_decode: bool = False, prefill_step: int = 256,
+    state_layout: StateLayout | None = None, pad_prefill: bool = True,
+) -> bool:  # fmt: skip
     """Run two requests batched and one by one; the batched path must agree to be used.
-    (It also traces and JIT-builds the compiled decode step before the first request.)"""
+    (It also traces and JIT-builds the compiled decode step before the first request.)
+    The prompts share a prefill pass, one right-padded by 18 tokens."""
     params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
-    prompts = [[(7 * i + 3) % vocab_size for i in range(9)], [5 % vocab_size, 11 % vocab_size]]
+    prompts = [[(7 * i + 3) % vocab_size for i in range(n)] for n in (39, 21)]
     outputs = []
     for batched in (True, False):
+        states = StatePool(state_layout, 2) if state_layout is not None else None
         runner = ModelRunner(
             model, MlxKVPool(layout, 64), vocab_size, batched=batched,
-            prefill_step=prefill_step, compile_decode=compile_decode,
+            prefill_step=prefill_step, compile_decode=compile_decode, states=states,
+            pad_prefill=pad_prefill,
         )  # fmt: skip
         slots = iter(range(1, 65))
         reqs = [
-            ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)
+            ExtendReq(
+                f"r{i}",
+                p,
+                [],
+                [next(slots) for _ in p],
+                params,
+                state_slot=i + 1 if states is not None else 0,
+            )  # fmt: skip
             for i, p in enumerate(prompts)
         ]
         try:

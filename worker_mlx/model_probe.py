@@ -4,7 +4,8 @@ prefill projects only each row's last position to the vocabulary).
 
 What a layer attends is read from the model's own `make_cache()`, the caches mlx-lm
 generates with: a `KVCache` attends every earlier token, a `RotatingKVCache(max_size=W)`
-the last W. Any other cache is a layer kind the worker does not serve, refused here.
+the last W, an `ArraysCache` is a recurrent layer's state. Any other cache is a layer
+kind the worker does not serve, refused here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from worker_mlx.kv_pool import KVLayout
 from worker_mlx.layer_caches import ProbeCache
+from worker_mlx.state_pool import StateLayout
 
 
 class UnsupportedModel(ValueError):
@@ -45,37 +47,61 @@ def split_lm_head(model: nn.Module):
     return inner, head
 
 
-def layer_windows(model: nn.Module) -> tuple[int | None, ...]:
-    """Per layer, the window it attends (None: all earlier tokens), from `make_cache()`."""
+RECURRENT = "recurrent"
+
+
+def layer_kinds(model: nn.Module) -> list:
+    """Per cache of the model (its `make_cache()` order): the window an attention layer
+    attends (None: all earlier tokens), or RECURRENT."""
     if not hasattr(model, "make_cache"):
-        return (None,) * len(model.layers)
-    windows = []
+        return [None] * len(model.layers)
+    kinds = []
     for i, c in enumerate(model.make_cache()):
         if isinstance(c, mlx_cache.RotatingKVCache) and c.keep == 0:
-            windows.append(c.max_size)
+            kinds.append(c.max_size)
         elif type(c) in (mlx_cache.KVCache, mlx_cache.ConcatenateKVCache):
-            windows.append(None)
+            kinds.append(None)
+        elif type(c) is mlx_cache.ArraysCache:
+            kinds.append(RECURRENT)
         else:
             raise UnsupportedModel(f"layer {i} keeps a {type(c).__name__}, which is not served")
-    return tuple(windows)
+    return kinds
 
 
-def probe_kv_layout(model: nn.Module) -> KVLayout:
-    """Run one token through the model with recording caches; raise if it is not standard."""
-    windows = layer_windows(model)
-    probes = [ProbeCache() for _ in windows]
+def probe_layout(model: nn.Module) -> tuple[KVLayout, StateLayout | None]:
+    """Run one token through the model with recording caches: what its KV layers store
+    and what its recurrent layers keep. Raise UnsupportedModel if it is not served."""
+    kinds = layer_kinds(model)
+    recurrent = tuple(i for i, k in enumerate(kinds) if k is RECURRENT)
+    if len(recurrent) == len(kinds):
+        raise UnsupportedModel("it has no attention layer (a pure recurrent model)")
+    caches = [mlx_cache.ArraysCache(size=2) if k is RECURRENT else ProbeCache() for k in kinds]
     try:
-        mx.eval(model(mx.array([[0]]), cache=probes))
+        mx.eval(model(mx.array([[0]]), cache=caches))
     except (AttributeError, TypeError, IndexError) as exc:
         raise UnsupportedModel(f"its layers use their caches in a way not served ({exc})") from exc
+    probes = [c for c in caches if isinstance(c, ProbeCache)]
     if any(p.shape is None for p in probes):
-        raise UnsupportedModel("it has layers without a key/value cache")
+        raise UnsupportedModel("it has attention layers that keep no keys and values")
     shapes = {(p.shape[1], p.shape[3], p.v_dim, p.dtype) for p in probes}
     if len(shapes) != 1:
         raise UnsupportedModel(f"its layers disagree on the key/value shape: {shapes}")
     (n_kv_heads, head_dim, v_dim, dtype) = shapes.pop()
-    return KVLayout(
+    windows = tuple(k for k in kinds if k is not RECURRENT)
+    kv = KVLayout(
         len(probes), n_kv_heads, head_dim, dtype,
         v_head_dim=None if v_dim == head_dim else v_dim,
         windows=windows if any(w is not None for w in windows) else (),
+        recurrent=recurrent,
     )  # fmt: skip
+    states = [caches[i] for i in recurrent]
+    if not states:
+        return kv, None
+    if any(a is None for c in states for a in c.cache):
+        raise UnsupportedModel("it has recurrent layers that keep no state")
+    entries = tuple(tuple((tuple(a.shape[1:]), a.dtype) for a in c.cache) for c in states)
+    return kv, StateLayout(entries)
+
+
+def probe_kv_layout(model: nn.Module) -> KVLayout:
+    return probe_layout(model)[0]

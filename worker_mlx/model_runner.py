@@ -21,6 +21,7 @@ from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.prefill import ExtendPlan, passes
 from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
+from worker_mlx.state_pool import StatePool
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ReqState:
     key: mx.array | None
     penalty: Penalty | None = None
     grammar: object | None = None  # its llguidance matcher, if the request is constrained
+    state_slot: int = 0  # its recurrent layers' working state (models with such layers)
 
 
 @dataclass
@@ -57,22 +59,27 @@ class KVLocation:
 class ModelRunner:
     """`batched=False` runs every request as its own batch of one with integer offsets, each
     decode step an extend of one token on the pool: the fallback for models whose attention
-    cannot take per-row offset arrays."""
+    cannot take per-row offset arrays. `pad_prefill=False` keeps decode batched but runs
+    prefill rows of different lengths in separate passes: for recurrent layers that read
+    a right-padded row's state at the padding (mlx-lm's Mamba-2)."""
 
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
-        grammars: Grammars | None = None,
+        grammars: Grammars | None = None, states: StatePool | None = None,
+        pad_prefill: bool = True,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
+        self.states = states  # the recurrent layers' states, for models that have them
+        self.pad_prefill = pad_prefill  # rows of different lengths share a prefill pass
         self.vocab_size = vocab_size
         self.batched = batched
         self.prefill_step = prefill_step
         self.keys = KeySource(seed)
         self.reqs: dict[str, ReqState] = {}
         self.body, self.head = split_lm_head(model)
-        self.decode_step = DecodeStep(model, compile=compile_decode, windows=pool.layout.windows)
+        self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
         self.buffer: DecodeBuffer | None = None
         self.lookahead = Lookahead()
         self.grammars = grammars
@@ -97,11 +104,11 @@ class ModelRunner:
         self.lookahead.invalidate()
         self._flush()
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
-        steps = [p for reqs in groups for p in passes(reqs, self.prefill_step)]
+        steps = [p for reqs in groups for p in passes(reqs, self.prefill_step, self.pad_prefill)]
         last_logits, states, order = [], [], []
         position = {id(r): i for i, r in enumerate(batch.reqs)}
         for n, (pieces, owners) in enumerate(steps):
-            hidden = self.body(*self._extend_inputs(pieces))
+            hidden = self._pass(pieces, self.body)
             sampled = [i for i, p in enumerate(pieces) if p.last_chunk]
             if sampled:
                 rows = mx.array(sampled, dtype=mx.int32)
@@ -110,9 +117,9 @@ class ModelRunner:
                 states += [self._new_state(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
             if n + 1 < len(steps):
-                mx.eval(self.pool.arrays(), last_logits)  # the next pass reads this KV
+                mx.eval(self._arrays(), last_logits)  # the next pass reads this KV
         if not states:
-            mx.eval(self.pool.arrays())
+            mx.eval(self._arrays())
             return StepOutput([], [])
         # answer in descriptor order, whichever round each request finished in
         perm = sorted(range(len(order)), key=order.__getitem__)
@@ -133,25 +140,44 @@ class ModelRunner:
         else:
             self._flush()
             rids = [r.rid for r in reqs]
-            buffer = DecodeBuffer(self.pool, rids, prefixes, free_columns=2)  # this, the next
+            buffer = DecodeBuffer(
+                self.pool, rids, prefixes, free_columns=2,  # this step, the next
+                states=self.states, state_slots=[r.state_slot for r in reqs],
+                state_from=[r.prefix_state for r in reqs],
+            )  # fmt: skip
         self.buffer = buffer
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
         slots = {s.rid: s.slots for s in states}
         buffer.flush(slots.__getitem__)  # in the pool now: another prompt may share this token
+        self._snapshot(reqs)
         return self._start_decoding(logits, states)
 
     def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
         """Sample the extended requests' first tokens; from now on they decode."""
-        out = self._sample_and_record(logits, states, self.pool.arrays())
+        out = self._sample_and_record(logits, states, self._arrays())
         for s in states:
             self.reqs[s.rid] = s
         return out
 
-    def _extend_inputs(self, reqs: list[ExtendReq]) -> tuple[mx.array, list]:
-        """The tokens (right-padded) and the layer caches of one prefill pass."""
-        plan = ExtendPlan.for_reqs(self.pool, reqs)
+    def _pass(self, reqs: list[ExtendReq], forward) -> mx.array:
+        """One prefill pass, `forward(tokens, caches)`, over right-padded rows; the recurrent
+        states it leaves go to the rows' working slots and the snapshots asked for."""
+        plan = ExtendPlan.for_reqs(self.pool, reqs, self.states)
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
-        return tokens, plan.layer_caches()
+        out = forward(tokens, plan.layer_caches())
+        plan.store_states()
+        self._snapshot(reqs)
+        return out
+
+    def _snapshot(self, reqs: list[ExtendReq]) -> None:
+        """Copy the working states of `reqs` to the snapshot slots they ask for (after the
+        whole of their input: `passes` cut pieces where the snapshots are)."""
+        pairs = [(r.state_slot, slot) for r in reqs for _, slot in r.snapshots]
+        if pairs:
+            self.states.copy([a for a, _ in pairs], [b for _, b in pairs])
+
+    def _arrays(self) -> list[mx.array]:
+        return self.pool.arrays() + (self.states.all() if self.states is not None else [])
 
     def _check_extend(self, r: ExtendReq) -> None:
         if not r.input_ids:
@@ -162,9 +188,24 @@ class ModelRunner:
             raise ValueError(f"{r.rid}: extend for a request that is already decoding")
         self._check_slots(r.rid, r.prefix_slot_ids)
         self._check_slots(r.rid, r.out_cache_loc)
+        self._check_states(r)
         if min(r.input_ids) < 0 or max(r.input_ids) >= self.vocab_size:
             raise ValueError(f"{r.rid}: token id outside the vocabulary [0, {self.vocab_size})")
         r.sampling.validate(self.vocab_size)
+
+    def _check_states(self, r: ExtendReq) -> None:
+        n = self.states.num_slots if self.states is not None else 0
+        snaps = [slot for _, slot in r.snapshots]
+        if not n:
+            if r.state_slot or r.prefix_state or snaps:
+                raise ValueError(f"{r.rid}: state slots for a model without recurrent layers")
+            return
+        if not 1 <= r.state_slot <= n or not all(1 <= s <= n for s in snaps):
+            raise ValueError(f"{r.rid}: state slot outside [1, {n}]")
+        if not 0 <= r.prefix_state <= n or (r.prefix_slot_ids and not r.prefix_state):
+            raise ValueError(f"{r.rid}: a prefix needs the state slot of its recurrent state")
+        if not all(1 <= at <= len(r.input_ids) for at, _ in r.snapshots):
+            raise ValueError(f"{r.rid}: a snapshot outside its {len(r.input_ids)} tokens")
 
     def _check_slots(self, rid: str, slots: list[int]) -> None:
         if slots and (min(slots) < 1 or max(slots) > self.pool.num_slots):
@@ -173,7 +214,8 @@ class ModelRunner:
     def _new_state(self, r: ExtendReq) -> ReqState:
         key = None if r.sampling.greedy else self.keys.request_key(r.sampling.seed)
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        state = ReqState(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.sampling, -1, key, penalty)
+        slots = r.prefix_slot_ids + r.out_cache_loc
+        state = ReqState(r.rid, slots, r.sampling, -1, key, penalty, state_slot=r.state_slot)
         if r.sampling.grammar_kind:
             if self.grammars is None:
                 raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")
@@ -214,8 +256,11 @@ class ModelRunner:
         if buffer is None or not buffer.serves(rids):
             self._flush()
             slots = [s.slots for s in states]
-            if buffer is None or not buffer.admit(rids, slots):
-                buffer = self.buffer = DecodeBuffer(self.pool, rids, slots)
+            homes = [s.state_slot for s in states]
+            if buffer is None or not buffer.admit(rids, slots, homes):
+                buffer = self.buffer = DecodeBuffer(
+                    self.pool, rids, slots, states=self.states, state_slots=homes
+                )
         logits = self._buffer_step(buffer.rows(rids))
         return self._sample_and_record(logits, states, buffer.arrays())
 
@@ -223,10 +268,13 @@ class ModelRunner:
         """The fallback: each request's step is an extend of its last token on the pool."""
         parts = []
         for s, loc in zip(states, locs):
-            step = ExtendReq(s.rid, [s.last_token], s.slots, [loc], s.sampling)
-            parts.append(self.model(*self._extend_inputs([step]))[:, -1, :])
+            step = ExtendReq(
+                s.rid, [s.last_token], s.slots, [loc], s.sampling,
+                state_slot=s.state_slot, prefix_state=s.state_slot,
+            )  # fmt: skip
+            parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return self._sample_and_record(logits, states, self.pool.arrays())
+        return self._sample_and_record(logits, states, self._arrays())
 
     def _buffer_step(self, rows: list[int]) -> mx.array:
         """Logits of one step of the decode buffer for its `rows` (the live ones, in the
@@ -298,20 +346,35 @@ class ModelRunner:
             return
         self.lookahead.invalidate()
         self._flush(skip={r.rid for r in release if not r.flush})
+        self._final_snapshots(release)
         buffer = self.buffer
         if buffer is not None:
             finished = {r.rid for r in release if r.flush}
-            if keep_buffer and len(buffer.rids) == 1 and buffer.rids[0] in finished:
+            # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
+            alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
+            if keep_buffer and alone and self.states is None:
                 self.lookahead.keep(buffer, self.reqs[buffer.rids[0]].slots)
             buffer.drop({r.rid for r in release})
         for r in release:
             self.reqs.pop(r.rid, None)
 
+    def _final_snapshots(self, release: list[ReleaseReq]) -> None:
+        """Finished requests' states (flushed just now) into the snapshots asked for."""
+        n = self.states.num_slots if self.states is not None else 0
+        snaps = [
+            (self.reqs[r.rid].state_slot, r.snapshot)
+            for r in release
+            if r.flush and 1 <= r.snapshot <= n and r.rid in self.reqs
+        ]
+        if snaps:
+            self.states.copy([a for a, _ in snaps], [b for _, b in snaps])
+            mx.eval(self.states.all())
+
     def _flush(self, skip: set[str] = frozenset()) -> None:
         """Write every decode token that is only in the decode buffer into the pool."""
         if self.buffer is not None:
             self.buffer.flush(self._slots, skip)
-        mx.eval(self.pool.arrays())
+        mx.eval(self._arrays())
 
     def _slots(self, rid: str) -> list[int]:
         return self.reqs[rid].slots

@@ -12,7 +12,8 @@ import mlx.core as mx
 
 from common.messages import ExtendReq
 from worker_mlx.kv_pool import MlxKVPool
-from worker_mlx.layer_caches import ExtendCache
+from worker_mlx.layer_caches import ExtendCache, StateCache
+from worker_mlx.state_pool import StatePool
 
 
 class ExtendPlan:
@@ -26,8 +27,15 @@ class ExtendPlan:
         prefix_slots: list[list[int]],
         new_lens: list[int],
         out_locs: list[list[int]],
+        states: StatePool | None = None,
+        state_slots: list[int] = (),
+        prefix_states: list[int] = (),
     ):
         self.pool = pool
+        self.states = states
+        self.state_slots = list(state_slots)
+        self.prefix_states = list(prefix_states)
+        self.new_lens = new_lens
         B = len(new_lens)
         self.L = L = max(new_lens)
         P = max(len(p) for p in prefix_slots)
@@ -68,32 +76,68 @@ class ExtendPlan:
         return self._masks[window]
 
     @classmethod
-    def for_reqs(cls, pool: MlxKVPool, reqs: list[ExtendReq]) -> ExtendPlan:
+    def for_reqs(
+        cls, pool: MlxKVPool, reqs: list[ExtendReq], states: StatePool | None = None
+    ) -> ExtendPlan:
         return cls(
             pool,
             [r.prefix_slot_ids for r in reqs],
             [len(r.input_ids) for r in reqs],
             [r.out_cache_loc for r in reqs],
+            states,
+            [r.state_slot for r in reqs],
+            [r.prefix_state for r in reqs],
         )
 
-    def layer_caches(self) -> list[ExtendCache]:
-        return [ExtendCache(self, i) for i in range(self.pool.layout.num_layers)]
+    def layer_caches(self) -> list:
+        """The caches of one pass, in the model's order: KV layers read and write the pool,
+        recurrent layers start from their rows' prefix states."""
+        layout = self.pool.layout
+        kv = [ExtendCache(self, i) for i in range(layout.num_layers)]
+        self._state_caches = [self._state_cache(i) for i in range(len(layout.recurrent))]
+        return layout.in_model_order(kv, self._state_caches)
+
+    def _state_cache(self, layer: int) -> StateCache:
+        size = len(self.states.layout.entries[layer])
+        initial = None
+        if any(self.prefix_states):  # else all start from zero, made by the layer itself
+            initial = self.states.gather(layer, mx.array(self.prefix_states, dtype=mx.int32))
+        padded = any(n < self.L for n in self.new_lens)
+        return StateCache(size, initial, mx.array(self.new_lens) if padded else None)
+
+    def store_states(self) -> None:
+        """The recurrent layers' states after this pass, into the rows' working slots."""
+        if not self.pool.layout.recurrent:
+            return
+        slots = mx.array(self.state_slots, dtype=mx.int32)
+        for layer, cache in enumerate(self._state_caches):
+            self.states.write(layer, slots, cache.state)
 
 
-def passes(reqs: list[ExtendReq], step: int) -> list[tuple[list[ExtendReq], list[ExtendReq]]]:
+def passes(
+    reqs: list[ExtendReq], step: int, pad: bool = True
+) -> list[tuple[list[ExtendReq], list[ExtendReq]]]:
     """Forward passes for one extend, in order, as (pieces, the requests they belong to).
 
-    Each request's new tokens are cut into pieces of at most `step`; round k runs every
-    request's k-th piece after round k-1 wrote its KV, so attention stays in cache-sized
-    blocks. Within a round, pieces of very different lengths go in separate passes, so a
-    64-token question is never padded to a 256-token piece of a long prompt."""
+    Each request's new tokens are cut into pieces of at most `step`, and where a snapshot
+    of its recurrent state is asked for; round k runs every request's k-th piece after
+    round k-1 wrote its KV, so attention stays in cache-sized blocks. Within a round,
+    pieces of very different lengths go in separate passes, so a 64-token question is
+    never padded to a 256-token piece of a long prompt; without `pad`, pieces of any
+    different lengths do (models whose recurrent layers cannot take right padding)."""
+    cuts = {id(r): _cuts(r, step) for r in reqs}
     out = []
-    for start in range(0, max(len(r.input_ids) for r in reqs), step):
-        pieces = [(_piece(r, start, step), r) for r in reqs if start < len(r.input_ids)]
+    for k in range(max(len(c) - 1 for c in cuts.values())):
+        pieces = [
+            (_piece(r, cuts[id(r)][k], cuts[id(r)][k + 1]), r)
+            for r in reqs
+            if k + 1 < len(cuts[id(r)])
+        ]
         pieces.sort(key=lambda pr: -len(pr[0].input_ids))
         group: list[tuple[ExtendReq, ExtendReq]] = []
         for piece, owner in pieces:
-            if group and 2 * len(piece.input_ids) <= len(group[0][0].input_ids):
+            longest, n = len(group[0][0].input_ids) if group else 0, len(piece.input_ids)
+            if group and (2 * n <= longest if pad else n != longest):
                 out.append(([p for p, _ in group], [o for _, o in group]))
                 group = []
             group.append((piece, owner))
@@ -101,8 +145,13 @@ def passes(reqs: list[ExtendReq], step: int) -> list[tuple[list[ExtendReq], list
     return out
 
 
-def _piece(r: ExtendReq, start: int, step: int) -> ExtendReq:
-    end = min(start + step, len(r.input_ids))
+def _cuts(r: ExtendReq, step: int) -> list[int]:
+    """Where `r`'s pieces start and end: every `step` tokens and at each snapshot."""
+    n = len(r.input_ids)
+    return sorted({*range(0, n, step), n, *(at for at, _ in r.snapshots if 0 < at < n)})
+
+
+def _piece(r: ExtendReq, start: int, end: int) -> ExtendReq:
     return ExtendReq(
         r.rid,
         r.input_ids[start:end],
@@ -110,4 +159,7 @@ def _piece(r: ExtendReq, start: int, step: int) -> ExtendReq:
         r.out_cache_loc[start:end],
         r.sampling,
         last_chunk=r.last_chunk and end == len(r.input_ids),
+        state_slot=r.state_slot,
+        prefix_state=r.state_slot if start else r.prefix_state,
+        snapshots=[[at - start, slot] for at, slot in r.snapshots if at == end],
     )
