@@ -5,21 +5,50 @@ Ownership rule: the trie holds a request's first `cache_len` tokens, locked thro
 of tokens the trie got from someone else first). Every slot is therefore
 free, in the trie (evictable or locked), or owned by exactly one running request —
 `check_invariants` verifies that.
+
+Models with recurrent layers (`num_state_slots > 0`) also have state slots, whose data the
+worker holds: each running request owns one working state (`req.state_slot`), a trie node
+may own a snapshot (the state at its end), and a snapshot the worker was told to take but
+whose tokens are not in the trie yet is owned by its request (`req.pending_snapshots`).
+Such a model can only resume from a snapshot, so its matches end at the deepest one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from scheduler.radix_cache import RadixCache
+from scheduler.radix_cache import MatchResult, RadixCache
 from scheduler.request import Req
 
 EVICT_FRACTION = 1024  # evict at least capacity / 1024 tokens when short
 
 
+@dataclass
+class Admission:
+    """What a request's next extend piece reads and writes (the ExtendReq's slot fields)."""
+
+    prefix_slot_ids: list[int]
+    out_cache_loc: list[int]
+    prefix_state: int = 0  # state slot holding the state after exactly the prefix
+    snapshots: list[list[int]] = field(default_factory=list)  # [n new tokens, state slot]
+
+
 class KVCacheManager:
-    def __init__(self, num_slots: int, max_requests: int, disable_radix_cache: bool, debug=False):
+    def __init__(
+        self,
+        num_slots: int,
+        max_requests: int,
+        disable_radix_cache: bool,
+        debug=False,
+        num_state_slots: int = 0,
+    ):
         self.allocator = TokenToKVPoolAllocator(num_slots, debug=debug)
-        self.tree = RadixCache(self.allocator, disable=disable_radix_cache)
+        # the same free list, over state slots 1..num_state_slots (None: no recurrent layers)
+        self.states = TokenToKVPoolAllocator(num_state_slots, debug) if num_state_slots else None
+        self.tree = RadixCache(
+            self.allocator, disable=disable_radix_cache, state_allocator=self.states
+        )
         self.req_to_token = ReqToTokenPool(max_requests)
         self.evicted_tokens = 0
 
@@ -35,10 +64,14 @@ class KVCacheManager:
         """Share of the pool held by running requests (locked or owned), not by idle cache."""
         return 1.0 - self.budget() / self.capacity
 
+    def _match(self, fill: list[int]) -> MatchResult:
+        """The usable cached prefix of `fill`, leaving at least one token to compute."""
+        head = fill[: len(fill) - 1]
+        return self.tree.match_snapshot(head) if self.states else self.tree.match_prefix(head)
+
     def match(self, req: Req) -> list[int]:
         """Prefix slots for `req`'s fill tokens, leaving at least one token to compute."""
-        fill = req.fill_ids
-        return self.tree.match_prefix(fill[: len(fill) - 1]).slot_ids
+        return self._match(req.fill_ids).slot_ids
 
     def alloc(self, n: int) -> list[int] | None:
         """n fresh slots, evicting least-recently-used cache when short."""
@@ -50,39 +83,69 @@ class KVCacheManager:
             self.evicted_tokens += self.tree.evict(batch)
         return self.allocator.alloc(n)
 
-    def admit(self, req: Req, new_len: int) -> tuple[list[int], list[int]] | None:
-        """Lock `req`'s cached prefix and allocate slots for its next `new_len` tokens.
+    def alloc_state(self) -> int:
+        """A fresh state slot, evicting least-recently-used cache leaves (and with them their
+        snapshots) when none is free; 0 when none can be had."""
+        if self.states.available_size() == 0:
+            self.evicted_tokens += self.tree.evict(0, num_snapshots=1)
+        got = self.states.alloc(1)
+        return got[0] if got else 0
 
-        Returns (prefix_slot_ids, out_cache_loc), or None (nothing changed) if out of slots.
+    def admit(self, req: Req, max_new: int) -> Admission | None:
+        """Lock `req`'s cached prefix and allocate slots for its next tokens, at most
+        `max_new` of them; a first admission also takes the request's working state slot.
+
+        Returns the Admission, or None (nothing changed) if out of slots.
         """
-        fill = req.fill_ids
-        if req.rid in self.req_to_token:  # a chunk continuation: prefix is what we computed
-            prefix = list(self.req_to_token.get(req.rid))
-        else:
-            m = self.tree.match_prefix(fill[: len(fill) - 1])
-            self.tree.inc_lock_ref(m.last_node)
-            # Every chunk must fit once the prefix is locked (the admission budget counted it
-            # as evictable): a half-prefilled request cannot be retracted to make room.
-            if self.budget() < len(fill) - len(m.slot_ids):
-                self.tree.dec_lock_ref(m.last_node)
-                return None
-            locs = self.alloc(new_len)
-            if locs is None:
-                self.tree.dec_lock_ref(m.last_node)
-                return None
-            req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
-            req.num_computed = len(m.slot_ids) + new_len
-            self.req_to_token.alloc(req.rid, m.slot_ids + locs)
-            return m.slot_ids, locs
-        locs = self.alloc(new_len)
+        if req.rid not in self.req_to_token:
+            return self._admit_first(req, max_new)
+        prefix = list(self.req_to_token.get(req.rid))  # a chunk continuation
+        locs = self.alloc(min(len(req.fill_ids) - len(prefix), max_new))
         if locs is None:
             return None
         self.req_to_token.append(req.rid, locs)
-        req.num_computed += new_len
-        return prefix, locs
+        req.num_computed += len(locs)
+        return self._with_snapshot(req, Admission(prefix, locs, req.state_slot))
+
+    def _admit_first(self, req: Req, max_new: int) -> Admission | None:
+        fill = req.fill_ids
+        m = self._match(fill)
+        self.tree.inc_lock_ref(m.last_node)
+        # Every chunk must fit once the prefix is locked (the admission budget counted it as
+        # evictable): a half-prefilled request cannot be retracted to make room.
+        state = self.alloc_state() if self.states else 0
+        locs = None
+        if self.budget() >= len(fill) - len(m.slot_ids) and (state or not self.states):
+            locs = self.alloc(min(len(fill) - len(m.slot_ids), max_new))
+        if locs is None:
+            self.tree.dec_lock_ref(m.last_node)
+            if state:
+                self.states.free([state])
+            return None
+        req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
+        req.num_computed = len(m.slot_ids) + len(locs)
+        req.state_slot = state
+        self.req_to_token.alloc(req.rid, m.slot_ids + locs)
+        return self._with_snapshot(req, Admission(m.slot_ids, locs, m.snapshot))
+
+    def _with_snapshot(self, req: Req, adm: Admission) -> Admission:
+        """Add the piece's snapshot: the state after a chunk that is not the last, or, in
+        the last one, after all but the last token (where the same prompt sent again, or a
+        resumed request, matches). Skipped when no state slot can be had."""
+        if self.states is None or self.tree.disable:
+            return adm
+        start, end, fill_len = len(adm.prefix_slot_ids), req.num_computed, len(req.fill_ids)
+        at = end if end < fill_len else fill_len - 1
+        if at > start:
+            slot = self.alloc_state()
+            if slot:
+                adm.snapshots.append([at - start, slot])
+                req.pending_snapshots.append((at, slot))
+        return adm
 
     def cache_unfinished(self, req: Req) -> None:
-        """Insert `req`'s computed tokens into the trie so waiting requests can share them.
+        """Insert `req`'s computed tokens into the trie so waiting requests can share them,
+        with the snapshots the worker has just taken.
 
         Where the trie already held some of these tokens (computed meanwhile by another
         request), the request keeps its own duplicate slots until it is released: the worker
@@ -98,41 +161,73 @@ class KVCacheManager:
         self.tree.inc_lock_ref(m.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
+        for at, slot in req.pending_snapshots:
+            self._attach(tokens[:at], slot)
+        req.pending_snapshots = []
+
+    def _attach(self, tokens: list[int], slot: int) -> bool:
+        """Hand `slot` to the trie node ending after `tokens`, or free it (False) if that
+        node already has a snapshot (or is not there)."""
+        if self.tree.attach_snapshot(tokens, slot):
+            return True
+        self.states.free([slot])
+        return False
 
     def append_decode_slot(self, req: Req, slot: int) -> None:
         self.req_to_token.append(req.rid, [slot])
         req.num_computed += 1
 
-    def release(self, req: Req, keep: bool) -> None:
+    def release(self, req: Req, keep: bool) -> int:
         """Return `req`'s slots: into the trie when `keep` (finished, retracted), else freed.
 
-        The caller must have queued the matching worker release (flush or drop) first.
+        Returns the state slot the worker must copy the request's final state into
+        (`ReleaseReq.snapshot`; 0 for none), already the snapshot of its last trie node.
+        The caller must queue the matching worker release (flush or drop) in the same step.
         """
+        snapshot = self.alloc_state() if keep and self.states and not self.tree.disable else 0
         slots = self.req_to_token.free(req.rid)
         self.allocator.free(req.dup_slots)
         req.dup_slots = []
         if keep:
-            done = self.tree.insert(req.fill_ids[: len(slots)], slots)
+            tokens = req.fill_ids[: len(slots)]
+            done = self.tree.insert(tokens, slots)
             self.allocator.free(slots[req.cache_len : done])
+            if snapshot and not self._attach(tokens, snapshot):
+                snapshot = 0
         else:
             self.allocator.free(slots[req.cache_len :])
         self.tree.dec_lock_ref(req.last_node)
+        if self.states is not None:
+            self.states.free([req.state_slot] + [s for _, s in req.pending_snapshots])
         req.last_node, req.cache_len, req.num_computed = None, 0, 0
+        req.state_slot, req.pending_snapshots = 0, []
+        return snapshot
 
     def check_invariants(self, holders: list[Req]) -> None:
-        """free + trie + owned by `holders` == capacity, and no slot has two owners."""
+        """free + trie + owned by `holders` == capacity, and no slot has two owners; the
+        same for state slots."""
         own = [
             s for r in holders for s in self.req_to_token.get(r.rid)[r.cache_len :] + r.dup_slots
         ]
-        free = self.allocator.free_slots()
         trie = self.tree.all_slot_ids()
-        everything = list(free) + trie + own
-        if len(everything) != len(set(everything)):
-            raise AssertionError("a KV slot has two owners")
-        if set(everything) != set(range(1, self.capacity + 1)):
-            raise AssertionError(
-                f"slots lost: free {len(free)} + trie {len(trie)} + running {len(own)}"
-                f" != capacity {self.capacity}"
-            )
+        _check_owners("KV", self.capacity, free=self.allocator.free_slots(), trie=trie, running=own)
         if len(self.req_to_token) != len(holders):
             raise AssertionError("ReqToTokenPool and the running requests disagree")
+        if self.states is not None:
+            _check_owners(
+                "state",
+                self.states.capacity,
+                free=self.states.free_slots(),
+                snapshots=self.tree.all_snapshots(),
+                working=[r.state_slot for r in holders],
+                pending=[s for r in holders for _, s in r.pending_snapshots],
+            )
+
+
+def _check_owners(what: str, capacity: int, **owners) -> None:
+    everything = [s for group in owners.values() for s in group]
+    if len(everything) != len(set(everything)):
+        raise AssertionError(f"a {what} slot has two owners")
+    if set(everything) != set(range(1, capacity + 1)):
+        counts = " + ".join(f"{name} {len(group)}" for name, group in owners.items())
+        raise AssertionError(f"{what} slots lost: {counts} != capacity {capacity}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.messages import ExtendReq
-from scheduler.cache import KVCacheManager
+from scheduler.cache import Admission, KVCacheManager
 from scheduler.request import Req
 
 LPM_MAX_WAITING = 128  # above this, matching every waiting prompt costs more than it saves
@@ -64,14 +64,14 @@ def build_prefill(
         future = int(min(req.remaining_new_tokens, 4096) * new_token_ratio)
         if req is not chunked and new + future > kv_budget:
             break
-        take = min(new, token_budget)
-        admitted = kv.admit(req, take)
+        admitted = kv.admit(req, token_budget)
         if admitted is None:
             break
-        prefix, locs = admitted
-        last = req.num_computed == req.seq_len
+        # the admission's own match decides (an earlier one in this batch may have evicted
+        # part of the prefix matched above)
+        take, prefix = len(admitted.out_cache_loc), admitted.prefix_slot_ids
         batch.reqs.append(req)
-        batch.extend.append(_extend_req(req, prefix, locs, last))
+        batch.extend.append(_extend_req(req, admitted))
         if req.cached_tokens < 0:
             req.cached_tokens = len(prefix)
         batch.new_tokens += take
@@ -82,10 +82,21 @@ def build_prefill(
     return batch if batch.reqs else None
 
 
-def _extend_req(req: Req, prefix: list[int], locs: list[int], last: bool) -> ExtendReq:
-    fill = req.fill_ids
+def _extend_req(req: Req, adm: Admission) -> ExtendReq:
+    fill, prefix = req.fill_ids, adm.prefix_slot_ids
     new = fill[len(prefix) : req.num_computed]
-    ext = ExtendReq(req.rid, new, prefix, locs, req.sampling, last_chunk=last)
+    last = req.num_computed == req.seq_len
+    ext = ExtendReq(
+        req.rid,
+        new,
+        prefix,
+        adm.out_cache_loc,
+        req.sampling,
+        last_chunk=last,
+        state_slot=req.state_slot,
+        prefix_state=adm.prefix_state,
+        snapshots=adm.snapshots,
+    )
     # the worker needs the whole history for penalties, and the outputs for a grammar's state
     if last and (req.sampling.penalized or req.sampling.grammar_kind):
         ext.context_ids, ext.output_ids = fill[: len(prefix)], list(req.output_ids)

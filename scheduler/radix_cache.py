@@ -5,6 +5,10 @@ token ids and the node's ``value`` holds one KV slot id per token. Requests that
 prefix reuse the slots found by ``match_prefix``; finished requests ``insert`` their sequence so
 later requests can reuse it; ``evict`` frees least-recently-used unlocked leaves under memory
 pressure. Running requests ``inc_lock_ref`` the node their prefix ends at so it stays put.
+
+For models with recurrent layers a node may also hold a ``snapshot``: a state slot (owned by the
+tree like its KV slots) holding the recurrent state after the tokens from the root to the node's
+end. Such a model can only resume at a node with a snapshot (``match_snapshot``).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from scheduler.memory_pool import TokenToKVPoolAllocator
 
 
 class TreeNode:
-    """One edge of the tree: ``key`` tokens and their KV ``value`` slots (same length)."""
+    """One edge of the tree: ``key`` tokens and their KV ``value`` slots (same length), and
+    optionally the state slot ``snapshot`` holding the recurrent state at the node's end."""
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id", "snapshot")
 
     def __init__(self, node_id: int, key: list[int], value: list[int], parent: TreeNode | None):
         self.id = node_id
@@ -30,6 +35,7 @@ class TreeNode:
         self.children: dict[int, TreeNode] = {}  # keyed by the child's first token id
         self.lock_ref = 0
         self.last_access = 0
+        self.snapshot: int | None = None
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
@@ -39,6 +45,7 @@ class TreeNode:
 class MatchResult:
     slot_ids: list[int]  # KV slots of the longest cached prefix
     last_node: TreeNode  # node ending exactly at the match (root if nothing matched)
+    snapshot: int = 0  # match_snapshot only: last_node's state slot (0 at the root)
 
 
 def _key_match_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -56,11 +63,16 @@ class RadixCache:
     """Prefix cache of KV slots. Slots held by the tree are owned by it until evicted/reset."""
 
     def __init__(
-        self, allocator: TokenToKVPoolAllocator, page_size: int = 1, disable: bool = False
+        self,
+        allocator: TokenToKVPoolAllocator,
+        page_size: int = 1,
+        disable: bool = False,
+        state_allocator: TokenToKVPoolAllocator | None = None,
     ) -> None:
         if page_size != 1:
             raise ValueError("only page_size=1 is supported")
         self.allocator = allocator
+        self.state_allocator = state_allocator  # where evicted snapshots go (recurrent models)
         self.page_size = page_size
         self.disable = disable
         self._ids = count()
@@ -80,6 +92,7 @@ class RadixCache:
         Locks are dropped too, so only call this when no running request holds a matched prefix.
         """
         self.allocator.free(self.all_slot_ids())
+        self._free_snapshots(self.all_snapshots())
         self._reset_tree()
 
     # ---- sizes --------------------------------------------------------------------------------
@@ -108,6 +121,28 @@ class RadixCache:
         slots: list[int] = []
         node, _ = self._walk(_as_list(token_ids), slots)
         return MatchResult(slots, node)
+
+    def match_snapshot(self, token_ids: Sequence[int]) -> MatchResult:
+        """The longest cached prefix of ``token_ids`` that ends at a node with a snapshot: the
+        deepest such node on the matched path (the root, with nothing, if there is none)."""
+        m = self.match_prefix(token_ids)
+        node, n = m.last_node, len(m.slot_ids)
+        while node is not self.root and node.snapshot is None:
+            n -= len(node.key)
+            node = node.parent
+        return MatchResult(m.slot_ids[:n], node, node.snapshot or 0)
+
+    def attach_snapshot(self, token_ids: Sequence[int], slot: int) -> bool:
+        """Give the node ending exactly after ``token_ids`` (split there if need be) the state
+        slot ``slot``. False, taking nothing, if those tokens are not all cached or that node
+        already has a snapshot: the caller still owns ``slot`` then."""
+        if self.disable or not token_ids:
+            return False
+        m = self.match_prefix(token_ids)
+        if len(m.slot_ids) != len(token_ids) or m.last_node.snapshot is not None:
+            return False
+        m.last_node.snapshot = slot
+        return True
 
     def insert(self, token_ids: Sequence[int], slot_ids: Sequence[int]) -> int:
         """Cache ``token_ids`` with their KV ``slot_ids``; return how many were already cached.
@@ -161,7 +196,8 @@ class RadixCache:
         """Split ``child`` after its first ``k`` tokens; return the new upper node.
 
         The upper node inherits the lock count so lock/unlock paths stay consistent, and sizes do
-        not change (same tokens, same locks).
+        not change (same tokens, same locks). A snapshot stays on the lower part, whose end is
+        unchanged; the upper part has none.
         """
         parent = child.parent
         assert parent is not None and 0 < k < len(child.key)
@@ -202,23 +238,27 @@ class RadixCache:
 
     # ---- eviction -----------------------------------------------------------------------------
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` tokens (if possible) from LRU unlocked leaves.
+    def evict(self, num_tokens: int, num_snapshots: int = 0) -> int:
+        """Free at least ``num_tokens`` tokens and ``num_snapshots`` snapshots (if possible)
+        from LRU unlocked leaves.
 
-        Slots go back to the allocator. A parent left childless and unlocked becomes a candidate
-        in the same call. Returns the number of tokens freed. Cost is O(nodes) to collect leaves
-        plus O(evicted log leaves).
+        Slots go back to their allocators. A parent left childless and unlocked becomes a
+        candidate in the same call. Returns the number of tokens freed. Cost is O(nodes) to
+        collect leaves plus O(evicted log leaves).
         """
-        if self.disable or num_tokens <= 0:
+        if self.disable or (num_tokens <= 0 and num_snapshots <= 0):
             return 0
         heap = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
         heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
+        freed = snapshots = 0
+        while (freed < num_tokens or snapshots < num_snapshots) and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
             self.allocator.free(node.value)
+            if node.snapshot is not None:
+                self._free_snapshots([node.snapshot])
+                snapshots += 1
             freed += len(node.key)
             self._evictable -= len(node.key)
             del parent.children[node.key[0]]
@@ -250,13 +290,32 @@ class RadixCache:
             stack.extend(node.children.values())
         return out
 
+    def all_snapshots(self) -> list[int]:
+        """Every state slot held by the tree as a snapshot."""
+        out: list[int] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node.snapshot is not None:
+                out.append(node.snapshot)
+            stack.extend(node.children.values())
+        return out
+
+    def _free_snapshots(self, slots: list[int]) -> None:
+        if slots:
+            assert self.state_allocator is not None, "a snapshot without a state allocator"
+            self.state_allocator.free(slots)
+
     def pretty_print(self) -> str:
         """Indented dump of the tree: one line per node with its tokens and lock count."""
         lines: list[str] = []
         stack = [(self.root, 0)]
         while stack:
             node, depth = stack.pop()
-            lines.append(f"{'  ' * depth}{node.key} lock={node.lock_ref} t={node.last_access}")
+            snap = "" if node.snapshot is None else f" snapshot={node.snapshot}"
+            lines.append(
+                f"{'  ' * depth}{node.key} lock={node.lock_ref} t={node.last_access}{snap}"
+            )
             stack.extend((c, depth + 1) for c in node.children.values())
         return "\n".join(lines)
 

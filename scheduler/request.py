@@ -21,6 +21,10 @@ class Req:
     num_computed: int = 0
     last_node: Any = None
     dup_slots: list[int] = field(default_factory=list)
+    # Recurrent layers: the working state slot, held from admission to release, and the
+    # snapshots (token count, state slot) the worker takes in the step in flight.
+    state_slot: int = 0
+    pending_snapshots: list[tuple[int, int]] = field(default_factory=list)
     cached_tokens: int = -1  # prefix hit at first admission, reported in usage
     finish_reason: str | None = None
     to_abort: bool = False

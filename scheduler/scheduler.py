@@ -47,6 +47,7 @@ class Scheduler:
             args.max_running_requests + 1,
             args.disable_radix_cache,
             debug=args.debug_invariants,
+            num_state_slots=worker.num_state_slots,
         )
         self.reqs: dict[str, Req] = {}
         self.waiting: list[Req] = []
@@ -187,8 +188,7 @@ class Scheduler:
         """Send the request with the least progress back to the queue; its KV stays cached."""
         req = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
         self.running.remove(req)
-        self.pending_release.append(ReleaseReq(req.rid, flush=True))
-        self.kv.release(req, keep=True)
+        self._release(req, keep=True)
         self.waiting.insert(0, req)
         self.retracted += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -198,6 +198,12 @@ class Scheduler:
             len(req.output_ids),
             len(self.running),
         )
+
+    def _release(self, req: Req, keep: bool) -> None:
+        """Give `req`'s slots back and queue the worker's release: flush and keep the KV
+        (and a snapshot of the final state) in the trie, or drop it."""
+        snapshot = self.kv.release(req, keep)
+        self.pending_release.append(ReleaseReq(req.rid, flush=keep, snapshot=snapshot))
 
     def _take_release(self) -> list[ReleaseReq]:
         release, self.pending_release = self.pending_release, []
@@ -244,8 +250,7 @@ class Scheduler:
             return
         if not joined:
             self.running.remove(req)
-        self.pending_release.append(ReleaseReq(req.rid, flush=True))
-        self.kv.release(req, keep=True)
+        self._release(req, keep=True)
         self._finish(req, req.finish_reason)
 
     def _apply_aborts(self) -> None:
@@ -254,8 +259,7 @@ class Scheduler:
                 self.chunked = None
             else:
                 self.running.remove(req)
-            self.pending_release.append(ReleaseReq(req.rid, flush=False))
-            self.kv.release(req, keep=False)
+            self._release(req, keep=False)
             self._finish(req, "abort")
 
     def _fail_step(self, batch: PrefillBatch | list[Req] | None, message: str) -> None:
@@ -267,8 +271,7 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
             if req.rid in self.kv.req_to_token:
-                self.pending_release.append(ReleaseReq(req.rid, flush=False))
-                self.kv.release(req, keep=False)
+                self._release(req, keep=False)
             self.reqs.pop(req.rid, None)
             self.outputs.append(ReqError(req.rid, message, code="internal_error", status=500))
 

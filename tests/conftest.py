@@ -12,6 +12,8 @@ import functools  # noqa: E402
 
 import pytest  # noqa: E402
 
+from common.server_args import ServerArgs  # noqa: E402
+from tests.scripted_worker import VOCAB, SchedulerHarness  # noqa: E402
 from tests.server import ServerProcess  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,3 +93,25 @@ def tiny_arch(model_cache):
         return str(ensure_tiny_model(model_cache, preset=preset, arch=arch))
 
     return build
+
+
+@pytest.fixture
+def make_harness(request):
+    """Start a scheduler process with a scripted worker; it is always stopped afterwards."""
+
+    def make(
+        num_slots: int, *, context_len: int = 4096, num_state_slots: int = 0, **kw
+    ) -> SchedulerHarness:
+        kw.setdefault("log_level", "info")
+        args = ServerArgs(model_path="scripted", debug_invariants=True, **kw)
+        h = SchedulerHarness(
+            args,
+            num_slots,
+            vocab_size=VOCAB,
+            context_len=context_len,
+            num_state_slots=num_state_slots,
+        )
+        request.addfinalizer(h.close)
+        return h.start()
+
+    return make

@@ -18,6 +18,7 @@ does not hide the next) and reported together by `verify()`.
 from __future__ import annotations
 
 import multiprocessing
+import random
 import shutil
 import tempfile
 import time
@@ -48,8 +49,15 @@ from common.messages import (
 )
 from common.protocol import decode, encode
 from common.server_args import ServerArgs
+from tests.scripted_states import ShadowStates
 
 ROOT_KEY = 0x5EED
+VOCAB = 1000  # the tests' vocabulary; tokens 0 and 1 are the scripted model's eos
+
+
+def toks(rng: random.Random, n: int) -> list[int]:
+    """n random non-eos tokens."""
+    return [rng.randrange(2, VOCAB) for _ in range(n)]
 
 
 def chain(key: int, token: int) -> int:
@@ -143,6 +151,7 @@ class ScriptedWorker:
         *,
         max_extend_tokens: int | None = None,
         max_running: int | None = None,
+        num_state_slots: int = 0,
     ):
         self.n = num_slots
         self.model = model
@@ -160,6 +169,7 @@ class ScriptedWorker:
         self.last_step = 0
         self.counts = {"extend": 0, "decode": 0, "release_batch": 0, "flush": 0, "drop": 0}
         self.max_decode_batch = 0
+        self.states = ShadowStates(num_state_slots, self._bad)
 
     def register(self, rid: str, prompt: list[int]) -> None:
         self.seqs[rid] = Seq(prompt)
@@ -197,6 +207,8 @@ class ScriptedWorker:
                 self.pending_slots.pop(slot, None)
                 if r.flush:
                     self.content[slot] = (key, r.rid, pos)
+            keys = self.seqs[r.rid].keys
+            self.states.release(r, keys[len(live.slots) - 1] if live.slots else None)
             self.counts["flush" if r.flush else "drop"] += 1
             for s in live.slots:
                 if 1 <= s <= self.n:
@@ -242,6 +254,7 @@ class ScriptedWorker:
                 f"step {step}: extend of {new_tokens} new tokens exceeds the chunked prefill "
                 f"size {self.max_extend_tokens}"
             )
+        self.states.extend(step, msg.reqs, {rid: seq.keys for rid, seq in self.seqs.items()})
         fresh: set[int] = set()
         in_batch: set[str] = set()
         rids: list[str] = []
@@ -346,6 +359,7 @@ class ScriptedWorker:
             if 1 <= s <= self.n and pos < len(seq.keys):
                 live.pending.append((s, seq.keys[pos], pos))  # deferred: not in the pool yet
                 self.pending_slots[s] = rid
+                self.states.decode(rid, seq.keys[pos])
             live.slots.append(s)
             self._hold([s])
             tok = self.model.next_token(rid, seq)
@@ -385,9 +399,11 @@ class SchedulerHarness:
         vocab_size: int = 1000,
         eos_token_ids: tuple[int, ...] = (0, 1),
         context_len: int = 4096,
+        num_state_slots: int = 0,
     ):
         self.args = args
         self.num_slots = num_slots
+        self.num_state_slots = num_state_slots
         self.context_len = context_len
         self.model = ScriptedModel(vocab_size, list(eos_token_ids))
         self.worker = ScriptedWorker(
@@ -395,6 +411,7 @@ class SchedulerHarness:
             self.model,
             max_extend_tokens=args.chunked_prefill_size,
             max_running=args.max_running_requests,
+            num_state_slots=num_state_slots,
         )
         self.specs: dict[str, ReqSpec] = {}
         self.aborted: set[str] = set()
@@ -441,6 +458,7 @@ class SchedulerHarness:
                     vocab_size=self.model.vocab_size,
                     eos_token_ids=self.model.eos,
                     blas="none",
+                    num_state_slots=self.num_state_slots,
                 )
             )
         )

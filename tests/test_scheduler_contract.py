@@ -22,28 +22,16 @@ from common.messages import (
     ReleaseReq,
     SamplingParams,
 )
-from common.server_args import ServerArgs
-from tests.scripted_worker import ReqSpec, SchedulerHarness, ScriptedModel, ScriptedWorker
+from tests.scripted_worker import (
+    VOCAB,
+    ReqSpec,
+    SchedulerHarness,
+    ScriptedModel,
+    ScriptedWorker,
+    toks,
+)
 
-V = 1000
-
-
-def toks(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, V) for _ in range(n)]
-
-
-@pytest.fixture
-def make_harness(request):
-    """Start a scheduler process with a scripted worker; it is always stopped afterwards."""
-
-    def make(num_slots: int, *, context_len: int = 4096, **kw) -> SchedulerHarness:
-        kw.setdefault("log_level", "info")
-        args = ServerArgs(model_path="scripted", debug_invariants=True, **kw)
-        h = SchedulerHarness(args, num_slots, vocab_size=V, context_len=context_len)
-        request.addfinalizer(h.close)
-        return h.start()
-
-    return make
+V = VOCAB
 
 
 def decodes_of(rid: str):
@@ -381,6 +369,20 @@ def test_randomized_stress(make_harness, seed):
         chunked_prefill_size=rng.choice([8, 24, 64, 2048]),
         max_running_requests=rng.choice([4, 16, 64]),
         schedule_policy=rng.choice(["lpm", "fcfs"]),
+    )
+    _stress(h, seed)
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_randomized_stress_with_state_slots(make_harness, seed):
+    """A model with recurrent layers and fewer state slots than seats (see also
+    tests/test_scheduler_states.py): requests wait for one, never fail."""
+    rng = random.Random(seed)
+    h = make_harness(
+        200,
+        num_state_slots=rng.choice([2, 3, 6]),
+        chunked_prefill_size=rng.choice([8, 24, 2048]),
+        max_running_requests=rng.choice([4, 16]),
     )
     _stress(h, seed)
 

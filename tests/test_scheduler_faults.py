@@ -9,8 +9,7 @@ import time
 
 from common.messages import ExtendBatch, WorkerError, WorkerHung
 from common.protocol import encode
-from tests.scripted_worker import SchedulerHarness
-from tests.test_scheduler_contract import make_harness, toks  # noqa: F401 - the fixture
+from tests.scripted_worker import SchedulerHarness, toks
 
 
 def _reply_first_extend_with(h: SchedulerHarness, frame: bytes) -> None:
