@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes as mlx_lm_model_classes
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from common.tiny_families import FAMILIES, family_config
 from common.tiny_weights import random_weights
@@ -43,6 +43,7 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+BOS = "<|begin_of_text|>"  # only in models built with bos=True, as Llama 3 names it
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -50,6 +51,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+BOS_CHAT_TEMPLATE = "{{- bos_token }}" + CHAT_TEMPLATE  # as Llama 3's template starts
 
 ARCHES = tuple(FAMILIES)
 
@@ -68,48 +70,61 @@ def default_cache_dir() -> Path:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(vocab_size: int, corpus_path: Path = CORPUS_PATH) -> Any:
-    """Train a byte-level BPE so any UTF-8 text round-trips through encode/decode."""
+def train_tokenizer(vocab_size: int, corpus_path: Path = CORPUS_PATH, bos: bool = False) -> Any:
+    """Train a byte-level BPE so any UTF-8 text round-trips through encode/decode.
+
+    With ``bos`` its post-processor puts ``BOS`` before every encoded text, as Llama 3's
+    tokenizer.json does; encoding with ``add_special_tokens=False`` leaves it out.
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + [BOS] * bos,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     text = corpus_path.read_text(encoding="utf-8")
     tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A",
+            pair=f"{BOS} $A {BOS} $B:1",
+            special_tokens=[(BOS, tokenizer.token_to_id(BOS))],
+        )
     return tokenizer
 
 
-def _tokenizer_config(max_length: int) -> dict[str, Any]:
-    """HF tokenizer settings: ChatML template, no BOS, ``<|im_end|>`` ends a turn."""
+def _tokenizer_config(max_length: int, bos: bool) -> dict[str, Any]:
+    """HF tokenizer settings: ChatML template, ``<|im_end|>`` ends a turn; no BOS unless
+    ``bos``, and then the template writes it (the post-processor adds it to plain text)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
+        "bos_token": BOS if bos else None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
-        "add_bos_token": False,
+        "add_bos_token": bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": BOS_CHAT_TEMPLATE if bos else CHAT_TEMPLATE,
     }
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> dict[str, int]:
+def write_tokenizer(
+    out_dir: Path, vocab_size: int, max_length: int, bos: bool = False
+) -> dict[str, int]:
     """Write tokenizer files and return the ids of the special tokens and the vocab size."""
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size, bos=bos)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(max_length))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(max_length, bos))
     _write_json(
         out_dir / "special_tokens_map.json",
-        {"eos_token": IM_END, "pad_token": ENDOFTEXT},
+        {"eos_token": IM_END, "pad_token": ENDOFTEXT} | ({"bos_token": BOS} if bos else {}),
     )
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS + [BOS] * bos}
     ids["vocab_size"] = tokenizer.get_vocab_size(with_added_tokens=True)
     return ids
 
@@ -126,6 +141,7 @@ def _model_config(
     rope_theta: float,
     tie_word_embeddings: bool,
     eos_token_id: int,
+    bos_token_id: int | None,
 ) -> dict[str, Any]:
     """The HF-style ``config.json`` that mlx-lm's ``ModelArgs.from_dict`` reads."""
     common = {
@@ -144,6 +160,8 @@ def _model_config(
         "torch_dtype": "float32",
         "eos_token_id": eos_token_id,
     }
+    if bos_token_id is not None:
+        common["bos_token_id"] = bos_token_id
     return family_config(arch, common)
 
 
@@ -183,12 +201,14 @@ def build_tiny_model(
     tie_word_embeddings: bool = True,
     init_scale: float = 1.0,
     seed: int = 0,
+    bos: bool = False,
 ) -> Path:
     """Write a complete model directory (weights, config, tokenizer) to ``out_dir``.
 
     ``vocab_size`` is the BPE training target; ``config.json`` records the tokenizer's
     actual size so embeddings and tokenizer always agree.  ``layers`` is raised to the
-    family's ``min_layers`` so its layout has every layer kind.
+    family's ``min_layers`` so its layout has every layer kind.  With ``bos`` the
+    tokenizer adds a BOS as Llama 3's does (see ``train_tokenizer``).
     """
     if arch not in ARCHES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHES}")
@@ -197,7 +217,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tok = write_tokenizer(out, vocab_size, max_position_embeddings)
+    tok = write_tokenizer(out, vocab_size, max_position_embeddings, bos)
     family = FAMILIES[arch]
     dims = dict(
         hidden=hidden,
@@ -215,6 +235,7 @@ def build_tiny_model(
         rope_theta=rope_theta,
         tie_word_embeddings=tie_word_embeddings,
         eos_token_id=tok[IM_END],
+        bos_token_id=tok.get(BOS),
     )
     model = make_model(config, seed, init_scale, family.norm_offset)
     weights = dict(tree_flatten(model.parameters()))
@@ -224,7 +245,8 @@ def build_tiny_model(
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
-        {"eos_token_id": tok[IM_END], "pad_token_id": tok[ENDOFTEXT]},
+        {"eos_token_id": tok[IM_END], "pad_token_id": tok[ENDOFTEXT]}
+        | ({"bos_token_id": tok[BOS]} if bos else {}),
     )
     logger.info("wrote %s tiny model to %s", arch, out)
     return out
@@ -235,6 +257,7 @@ def ensure_tiny_model(
     preset: str = "tiny",
     arch: str = "qwen3",
     seed: int = 0,
+    bos: bool = False,
 ) -> Path:
     """Return a cached model dir, building it once; safe against concurrent builders.
 
@@ -244,13 +267,13 @@ def ensure_tiny_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"{preset}-{arch}-s{seed}-v{BUILDER_VERSION}"
+    final = cache / f"{preset}-{arch}{'-bos' if bos else ''}-s{seed}-v{BUILDER_VERSION}"
     if final.is_dir():
         return final
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
-        build_tiny_model(tmp, arch=arch, seed=seed, **PRESETS[preset])
+        build_tiny_model(tmp, arch=arch, seed=seed, bos=bos, **PRESETS[preset])
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
             os.rename(tmp, final)
@@ -286,6 +309,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--init-scale", type=float, default=1.0, help="weight std multiplier")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
     return p.parse_args(argv)
 
 
@@ -305,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=args.tie_word_embeddings,
         init_scale=args.init_scale,
         seed=args.seed,
+        bos=args.bos,
         **dims,
     )
     print(f"wrote {args.preset} {args.arch} model to {out}")

@@ -41,7 +41,7 @@ def plan_chat(
         grammar = tool_grammar(fmt, tools, forced, prompt.thinking)
     elif grammar and prompt.thinking:
         grammar = after_thinking(fmt, grammar)
-    return tok.encode_text(text), prompt, grammar
+    return tok.encode_rendered(text), prompt, grammar
 
 
 def chat_renderer(

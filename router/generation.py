@@ -24,10 +24,18 @@ class Tokenization:
         self.chat_format = ChatFormat.of(tokenizer)
 
     def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """A text prompt as mlx_lm.server encodes it: with the special tokens the tokenizer
+        itself adds (the BOS of a Llama 3 or Gemma tokenizer's post-processor)."""
+        return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict], tools=None, template_kwargs=None) -> list[int]:
-        return self.encode_text(self.render_chat(messages, tools, template_kwargs))
+        return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
+
+    def encode_rendered(self, prompt: str) -> list[int]:
+        """A chat prompt from `render_chat` as token ids. The template writes the BOS itself,
+        so the tokenizer adds no second one (apply_chat_template(tokenize=True), which
+        mlx_lm.server calls, encodes so too)."""
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], tools=None, template_kwargs=None) -> str:
         """The chat as prompt text: its template, given the tools and the template's

@@ -115,3 +115,31 @@ def make_harness(request):
         return h.start()
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bos(model_cache) -> str:
+    """A tiny Llama whose tokenizer adds a BOS through its post-processor and whose chat
+    template starts with ``{{ bos_token }}``, as Llama 3's do."""
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(model_cache, preset="tiny", arch="llama", bos=True))
+
+
+@pytest.fixture(scope="module")
+def bos_server(tiny_llama_bos, tmp_path_factory):
+    """A real `radix-mlx serve` on the BOS model, shared by a test module."""
+    log = tmp_path_factory.mktemp("bos-server") / "server.log"
+    server = ServerProcess(tiny_llama_bos, log, extra=["--max-total-tokens", "8192"])
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["no-bos", "bos"])
+def parity_server(request):
+    """(server, model dir) on the default tiny model and then on the BOS model: a parity
+    test that takes it runs against both kinds of tokenizer."""
+    if request.param == "bos":
+        return request.getfixturevalue("bos_server"), request.getfixturevalue("tiny_llama_bos")
+    return request.getfixturevalue("tiny_server"), request.getfixturevalue("tiny_model")

@@ -49,18 +49,19 @@ def test_concurrent_requests_match_mlx_lm(tiny_server, tiny_model):
         assert res["choices"][0]["token_ids"] == mlx_greedy(tiny_model, prompt, 10)
 
 
-def test_text_prompt_and_repeated_prompt_hits_cache(tiny_server, tiny_model):
-    _, tokenizer = load_model(tiny_model)
+def test_text_prompt_and_repeated_prompt_hits_cache(parity_server):
+    server, model = parity_server  # with and without a tokenizer that adds a BOS
+    _, tokenizer = load_model(model)
     text = "The quick brown fox jumps over the lazy dog, again and again."
-    ids = tokenizer.encode(text)
-    first = _complete(tiny_server, text, 8)
-    second = _complete(tiny_server, text, 8)
-    expected = mlx_greedy(tiny_model, ids, 8)
+    ids = tokenizer.encode(text)  # as mlx_lm.server encodes a completion's text
+    first = _complete(server, text, 8)
+    second = _complete(server, text, 8)
+    expected = mlx_greedy(model, ids, 8)
     assert first["choices"][0]["token_ids"] == expected
     assert second["choices"][0]["token_ids"] == expected
     assert second["usage"]["prompt_tokens"] == len(ids)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
-    assert f"#new-token: 1, #cached-token: {len(ids) - 1}" in tiny_server.log()
+    assert f"#new-token: 1, #cached-token: {len(ids) - 1}" in server.log()
 
 
 def test_sdk_generate_matches_mlx_lm(tiny_server, tiny_model):

@@ -224,3 +224,24 @@ def test_default_cache_dir_honours_env(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("RADIX_MLX_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "radix-mlx"
+
+
+def test_bos_tokenizer_adds_one_bos_as_llama3s_does(tmp_path: Path) -> None:
+    path = build_tiny_model(tmp_path / "bos", arch="llama", bos=True)
+    hf = AutoTokenizer.from_pretrained(str(path))
+    bos = hf.convert_tokens_to_ids("<|begin_of_text|>")
+    assert hf.bos_token == "<|begin_of_text|>" and hf.bos_token_id == bos
+    assert read_config(path)["bos_token_id"] == bos
+    assert json.loads((path / "generation_config.json").read_text())["bos_token_id"] == bos
+    post = json.loads((path / "tokenizer.json").read_text())["post_processor"]
+    assert post["type"] == "TemplateProcessing"
+    plain = hf.encode("Hello world", add_special_tokens=False)
+    assert hf.encode("Hello world") == [bos, *plain]
+    messages = [{"role": "user", "content": "Hi"}]
+    text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|begin_of_text|><|im_start|>user\n")
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert ids[0] == bos and ids.count(bos) == 1
+    model, tokenizer = load(str(path))
+    tokens, _ = greedy_tokens(model, tokenizer, "Once there was a robot", 16)
+    assert len(set(tokens)) >= 4
