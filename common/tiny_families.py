@@ -160,8 +160,9 @@ def _qwen3_5(config: Config) -> Config:
         "rope_theta": config["rope_theta"],
         "partial_rotary_factor": text.pop("partial_rotary_factor"),
     }
-    top = ("architectures", "model_type", "tie_word_embeddings", "eos_token_id", "torch_dtype")
-    return {**{k: config[k] for k in top}, "text_config": text}
+    top = ("architectures", "model_type", "tie_word_embeddings", "torch_dtype")
+    top += ("eos_token_id", "bos_token_id")
+    return {**{k: config[k] for k in top if k in config}, "text_config": text}
 
 
 def _nemotron_h(config: Config) -> Config:

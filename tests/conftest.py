@@ -71,14 +71,18 @@ def mlx_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model, tmp_path_factory):
-    """A real `radix-mlx serve` on the tiny model, shared by a test module."""
+def _serve(model: str, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = ServerProcess(tiny_model, log, extra=["--max-total-tokens", "8192"])
+    server = ServerProcess(model, log, extra=["--max-total-tokens", "8192"])
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model, tmp_path_factory):
+    """A real `radix-mlx serve` on the tiny model, shared by a test module."""
+    yield from _serve(tiny_model, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -129,11 +133,7 @@ def tiny_llama_bos(model_cache) -> str:
 @pytest.fixture(scope="module")
 def bos_server(tiny_llama_bos, tmp_path_factory):
     """A real `radix-mlx serve` on the BOS model, shared by a test module."""
-    log = tmp_path_factory.mktemp("bos-server") / "server.log"
-    server = ServerProcess(tiny_llama_bos, log, extra=["--max-total-tokens", "8192"])
-    server.start()
-    yield server
-    server.stop()
+    yield from _serve(tiny_llama_bos, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=["no-bos", "bos"])
