@@ -89,3 +89,13 @@ def test_sdk_text_and_chat_are_encoded_as_over_http(parity_server):
     ]:
         assert result.usage.prompt_tokens == len(ref)
         assert result.output_ids == mlx_greedy(model, ref, 6)
+
+
+def test_anthropic_messages_are_encoded_as_a_chat(parity_server):
+    """The Messages API renders through the same template: one BOS, the same prompt."""
+    server, model = parity_server
+    ref = mlx_server_chat_ids(model, MESSAGES)
+    body = {"system": MESSAGES[0]["content"], "messages": MESSAGES[1:]}
+    assert post(server, "/v1/messages/count_tokens", body)["input_tokens"] == len(ref)
+    usage = post(server, "/v1/messages", {**body, "max_tokens": 4, "temperature": 0})["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(ref)
