@@ -42,6 +42,9 @@ class SamplingParams:
     # or one of GRAMMAR_KINDS) and its source text; the worker masks every step with it.
     grammar_kind: str = ""
     grammar: str = ""
+    # The prompt's own logprobs (echo + logprobs): every prompt token's after the first,
+    # with `top_logprobs` alternatives each.
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):  # the SDK's int keys as the wire's strings
@@ -140,6 +143,9 @@ class TokenOut:
     logprobs: list[float] | None = None
     top_logprobs: list[list[Any]] | None = None
     queue_time: float = 0.0  # seconds from arrival to the first prefill, on the first output
+    # On the first output of a request that asked for them: per prompt token after the
+    # first, [logprob, [[token_id, logprob], ...]].
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -258,6 +264,9 @@ class StepResult:
     # Present when any row asked for logprobs; rows that did not hold 0.0 and [].
     logprobs: list[float] | None = None
     top_logprobs: list[list[Any]] | None = None
+    # Present when a sampled row asked for its prompt's logprobs: per row, None or as
+    # TokenOut.prompt_logprobs.
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -321,6 +330,7 @@ class Output:
     cached_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[Any] | None = None  # as TokenOut's, on the first chunk
 
 
 @dataclass(kw_only=True)

@@ -129,6 +129,7 @@ async def generate_text(
                 out.cached_tokens,
                 out.logprobs,
                 out.top_logprobs,
+                out.prompt_logprobs,
             )
             if hit:
                 return  # leaving the generator aborts the request

@@ -36,6 +36,8 @@ from router.openai_api import (
     chat_logprobs,
     completion_logprobs,
     error_body,
+    prompt_only,
+    with_prompt,
 )
 from router.responses import Choice, collect, stream
 
@@ -202,26 +204,38 @@ class _Routes:
         self._check(req)
         prompts = self._prompts(req.prompt)
         grammar = output_grammar(req.response_format, req.regex, req.ebnf)
-        sampling = req.sampling(req.max_tokens if req.max_tokens is not None else 16, grammar)
+        max_new = req.max_tokens if req.max_tokens is not None else 16
+        if max_new == 0 and not req.echo:
+            raise RequestError("max_tokens 0 needs echo: true (then the prompt is the answer)")
+        # at least one token is always generated; with max_tokens 0 it is not returned
+        sampling = req.sampling(max(max_new, 1), grammar)
+        sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def render_at(index: int, ids: list[int]):
-            offset = [0]  # text offset of the next token, for logprobs
+            offset = [0]  # text offset of the next text rendered, for logprobs
 
             def render(c: Output, text: str) -> dict:
                 lp = None
-                if sampling.logprobs and c.token_ids:
+                if sampling.logprobs and (c.token_ids or c.prompt_logprobs is not None):
+                    start = offset[0] + len(text) - len(c.text)  # after an echoed prompt
                     lp = completion_logprobs(
-                        c.token_ids, c.logprobs, c.top_logprobs, self.pieces, offset[0]
+                        c.token_ids, c.logprobs, c.top_logprobs, self.pieces, start
                     )
-                    offset[0] += len(text)
+                    if c.prompt_logprobs is not None:
+                        lp = with_prompt(ids, c.prompt_logprobs, lp, self.pieces)
+                offset[0] += len(text)
                 choice = {"index": index, "text": text, "logprobs": lp}
                 choice["finish_reason"], choice["token_ids"] = c.finish_reason, c.token_ids
                 return self._body(rid, "text_completion", created, choice)
 
             return render, self.tokenizer.decode(ids) if req.echo else ""
 
-        return await _respond(req, request, self._choices(req, prompts, sampling, rid, render_at))
+        choices = self._choices(req, prompts, sampling, rid, render_at)
+        if max_new == 0:
+            for choice in choices:
+                choice.chunks = prompt_only(choice.chunks)
+        return await _respond(req, request, choices)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check(req)

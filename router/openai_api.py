@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from common.byte_level import byte_level_alphabet, is_byte_level
-from common.messages import SamplingParams
+from common.messages import Output, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -214,3 +216,34 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def with_prompt(prompt_ids, prompt_lps: list, completion: dict | None, pieces: TokenPieces) -> dict:
+    """Completions logprobs with the prompt's own before the completion's (echo): the first
+    prompt token has none (null), as in OpenAI's API; `prompt_lps` is per later prompt
+    token [logprob, [[token_id, logprob], ...]]."""
+    tokens, offsets, offset = [], [], 0
+    for tid in prompt_ids:
+        text = pieces(tid)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    lps = [None] + [lp for lp, _ in prompt_lps]
+    tops = [None] + [{pieces(t)[0]: v for t, v in top} for _, top in prompt_lps]
+    rest = completion or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    return {
+        "tokens": tokens + rest["tokens"],
+        "token_logprobs": lps + rest["token_logprobs"],
+        "top_logprobs": tops + rest["top_logprobs"],
+        "text_offset": offsets + rest["text_offset"],
+    }
+
+
+async def prompt_only(chunks: AsyncIterator[Output]) -> AsyncIterator[Output]:
+    """max_tokens 0: the prompt alone (its logprobs, usage), not the one token generated."""
+    async with contextlib.aclosing(chunks):
+        async for c in chunks:
+            empty = None if c.logprobs is None else []
+            yield Output("", [], "length", c.prompt_tokens, 0, c.cached_tokens, empty,
+                         empty, c.prompt_logprobs)  # fmt: skip
+            return

@@ -50,6 +50,9 @@ class OutputAccumulator:
             cached_tokens=latest.cached_tokens if latest else 0,
             logprobs=[x for c in chunks for x in c.logprobs or []] if aligned else None,
             top_logprobs=[x for c in chunks for x in c.top_logprobs or []] if aligned else None,
+            prompt_logprobs=next(
+                (c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None
+            ),
         )
 
 

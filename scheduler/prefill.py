@@ -98,7 +98,10 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
         snapshots=adm.snapshots,
     )
     # the worker needs the whole history for penalties, and the outputs for a grammar's state
-    if last and (req.sampling.penalized or req.sampling.grammar_kind):
+    # (and the tokens before this chunk for its prompt's logprobs)
+    if last and (
+        req.sampling.penalized or req.sampling.grammar_kind or req.sampling.prompt_logprobs
+    ):
         ext.context_ids, ext.output_ids = fill[: len(prefix)], list(req.output_ids)
     return ext
 

@@ -33,6 +33,7 @@ class Req:
     queue_time: float = -1.0  # seconds from arrival to the first prefill
     logprobs: list[float] = field(default_factory=list)  # per output token, if asked
     top_logprobs: list[list] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # the prompt's, if asked, from its first prefill
 
     @property
     def fill_ids(self) -> list[int]:

@@ -239,6 +239,9 @@ class Scheduler:
 
     def _append_token(self, req: Req, result: StepResult, row: int, joined: bool) -> None:
         req.output_ids.append(result.next_token_ids[row])
+        if joined and result.prompt_logprobs and req.prompt_logprobs is None:
+            # a retracted request's later prefill covers its outputs too: the first counts
+            req.prompt_logprobs = result.prompt_logprobs[row]
         if req.sampling.logprobs and result.logprobs is not None:
             req.logprobs.append(result.logprobs[row])
             req.top_logprobs.append(result.top_logprobs[row])
@@ -294,6 +297,7 @@ class Scheduler:
                 logprobs=req.logprobs[start:] if with_lp else None,
                 top_logprobs=req.top_logprobs[start:] if with_lp else None,
                 queue_time=max(req.queue_time, 0.0) if start == 0 else 0.0,
+                prompt_logprobs=req.prompt_logprobs if start == 0 else None,
             )
         )
         req.sent_len = len(req.output_ids)

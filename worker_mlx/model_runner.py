@@ -20,6 +20,7 @@ from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.prefill import ExtendPlan, passes
+from worker_mlx.prompt_logprobs import prompt_logprobs
 from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
 from worker_mlx.state_pool import StatePool
 
@@ -42,6 +43,7 @@ class StepOutput:
     next_token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list] | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -96,6 +98,12 @@ class ModelRunner:
     # ------------------------------------------------------------ extend
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
+        out = self._extend(batch)
+        if any(r.sampling.prompt_logprobs and r.last_chunk for r in batch.reqs):
+            out.prompt_logprobs = prompt_logprobs(self.body, self.head, batch.reqs, out.rids)
+        return out
+
+    def _extend(self, batch: ExtendBatch) -> StepOutput:
         self.release(batch.release)
         for r in batch.reqs:
             self._check_extend(r)

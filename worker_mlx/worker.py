@@ -88,4 +88,7 @@ def execute(runner, msg) -> StepResult | WorkerError | None:
         logger.debug("%s", traceback.format_exc())
         return WorkerError(step=msg.step, message=f"{kind} failed: {exc}")
     assert isinstance(msg, (ExtendBatch, DecodeBatch))
-    return StepResult(msg.step, out.rids, out.next_token_ids, out.logprobs, out.top_logprobs)
+    return StepResult(
+        msg.step, out.rids, out.next_token_ids, out.logprobs, out.top_logprobs,
+        out.prompt_logprobs,
+    )  # fmt: skip
