@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.records import Prompt, RequestResult, WorkloadSpec
 
-WORKLOADS = ("random", "generated-shared-prefix", "multi-turn", "repeat")
+WORKLOADS = ("random", "generated-shared-prefix", "multi-turn", "repeat", "agent")
 _WORD = re.compile(r" [A-Za-z]+")
 
 
@@ -163,11 +163,31 @@ def repeat_sessions(f: PromptFactory, length: int, output_len: int, warm_runs: i
     return [Session([f.prompt(length)] * n, [output_len] * n, ["cold"] + ["warm"] * warm_runs)]
 
 
+def agent_sessions(
+    f: PromptFactory, sessions: int, turns: int, system_len: int, task_len: int,
+    result_len: int, output_len: int,
+) -> list[Session]:  # fmt: skip
+    """S agents of T turns each, the way coding agents talk to a server: one system prompt
+    with the tool definitions shared by every session, a task, then turns that each carry
+    the whole history forward (the model's answer, standing for its tool call) plus a tool
+    result of `result_len` tokens. Everything before a turn's newest tool result was sent
+    before, by this session or (the system prompt) another."""
+    system = f.prompt(system_len)
+    labels = [f"turn{t + 1}" for t in range(turns)]
+    out = []
+    for _ in range(sessions):
+        task = f.prompt(len(system.ids) + task_len, prefix=system)
+        results = [f.piece(result_len) for _ in range(turns - 1)]
+        out.append(Session([task, *results], [output_len] * turns, labels, True))
+    return out
+
+
 BUILDERS = {
     "random": random_sessions,
     "generated-shared-prefix": shared_prefix_sessions,
     "multi-turn": multi_turn_sessions,
     "repeat": repeat_sessions,
+    "agent": agent_sessions,
 }
 
 
@@ -203,6 +223,15 @@ def spec_from_args(args) -> WorkloadSpec:
             user_len=args.mt_user_len,
             output_len=args.mt_output_len,
             history=args.mt_history,
+        )
+    elif name == "agent":
+        params = dict(
+            sessions=args.agent_sessions,
+            turns=args.agent_turns,
+            system_len=args.agent_system_len,
+            task_len=args.agent_task_len,
+            result_len=args.agent_result_len,
+            output_len=args.agent_output_len,
         )
     else:
         params = dict(

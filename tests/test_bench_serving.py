@@ -91,6 +91,20 @@ def test_multi_turn_carries_the_real_history(endpoint, tokenizer):
     assert all(r.cached_tokens >= r.prompt_len - 16 - 8 for r in later)
 
 
+def test_agent_workload_hits_the_cache_every_turn(endpoint, tokenizer):
+    params = dict(sessions=3, turns=3, system_len=96, task_len=16, result_len=16, output_len=8)
+    run, m = _run(endpoint, tokenizer, WorkloadSpec("agent", params), max_concurrency=3)
+    _check_consistent(run, m)
+    by_label = {}
+    for r in run.requests:
+        by_label.setdefault(r.label, set()).add(r.prompt_len)
+    # turn k = the shared system prompt, the task, k - 1 answers and k - 1 tool results
+    assert by_label == {"turn1": {112}, "turn2": {136}, "turn3": {160}}
+    later = [r for r in run.requests if r.label != "turn1"]
+    assert all(r.cached_tokens >= r.prompt_len - 16 - 8 for r in later)
+    assert m["cached_share"] > 0.5
+
+
 def test_repeat_workload_reports_the_warm_hit(endpoint, tokenizer):
     spec = WorkloadSpec("repeat", dict(length=384, output_len=4, warm_runs=2))
     run, m = _run(endpoint, tokenizer, spec)
