@@ -208,7 +208,7 @@ class _Routes:
         if max_new == 0 and not req.echo:
             raise RequestError("max_tokens 0 needs echo: true (then the prompt is the answer)")
         # at least one token is always generated; with max_tokens 0 it is not returned
-        sampling = req.sampling(max(max_new, 1), grammar)
+        sampling = req.sampling(1 if max_new == 0 else max_new, grammar)
         sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 

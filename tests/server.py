@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -47,3 +48,18 @@ class ServerProcess(_Process):
                     return pid
             time.sleep(0.05)
         raise AssertionError(f"no radix-mlx::{name} child of {self.proc.pid}")
+
+
+@contextlib.contextmanager
+def checked_server(model: str, log_path: Path, extra: list[str]):
+    """A server a test module shares, which must outlive the tests: it fails the module's
+    last test if the server died or logged a traceback meanwhile."""
+    srv = ServerProcess(model, log_path, extra=extra)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        alive = srv.proc.poll() is None
+        srv.stop()
+    assert alive, "the server died during the tests:\n" + srv.log()[-3000:]
+    assert "Traceback" not in srv.log()

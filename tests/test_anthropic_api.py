@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server import ServerProcess
-from tests.test_tools_api import UNICODE_ARGS, WEATHER
+from tests.server import checked_server
+from tests.test_tools_api import AGENT_SERVER, UNICODE_ARGS, WEATHER
 
 KEY = "sekret"
 TOOLS = [
@@ -36,14 +36,8 @@ ASK = [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"
 @pytest.fixture(scope="module")
 def server(agent_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("anthropic") / "server.log"
-    extra = ["--max-total-tokens", "8192", "--debug-invariants", "--served-model-name", "m"]
-    srv = ServerProcess(agent_model, log, extra=[*extra, "--api-key", KEY])
-    srv.start()
-    yield srv
-    alive = srv.proc.poll() is None
-    srv.stop()
-    assert alive, "the server died during the tests:\n" + srv.log()[-3000:]
-    assert "Traceback" not in srv.log()
+    with checked_server(agent_model, log, [*AGENT_SERVER, "--api-key", KEY]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import load_model
-from tests.server import ServerProcess
+from tests.server import checked_server
 
 WEATHER = {
     "type": "object",
@@ -51,20 +51,14 @@ ASK = [
 ]
 
 
+AGENT_SERVER = ["--max-total-tokens", "8192", "--debug-invariants", "--served-model-name", "m"]
+
+
 @pytest.fixture(scope="module")
 def server(agent_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("tools") / "server.log"
-    srv = ServerProcess(
-        agent_model,
-        log,
-        extra=["--max-total-tokens", "8192", "--debug-invariants", "--served-model-name", "m"],
-    )
-    srv.start()
-    yield srv
-    alive = srv.proc.poll() is None
-    srv.stop()
-    assert alive, "the server died during the tests:\n" + srv.log()[-3000:]
-    assert "Traceback" not in srv.log()
+    with checked_server(agent_model, log, AGENT_SERVER) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
