@@ -65,6 +65,7 @@ bench: setup
 	$(PY) -m benchmarks.scheduler_micro
 	$(PY) -m benchmarks.hop
 	$(PY) -m benchmarks.one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64 --rounds 5 --compare-mlx-lm
+	$(PY) -m benchmarks.families
 	$(PY) -m benchmarks.serving --suite standard
 
 clean:
