@@ -70,9 +70,13 @@ def test_repeat_and_next_turn_hit_the_cache(served):
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
 def test_small_pool_evicts_retracts_and_matches_mlx_lm(arch, tiny_arch, tmp_path):
-    path = tiny_arch(arch)
-    extra = ["--max-total-tokens", "256", "--debug-invariants"]
-    server = ServerProcess(path, tmp_path / "log", extra=extra)
+    assert_small_pool_evicts_retracts_and_matches(tiny_arch(arch), tmp_path / "log")
+
+
+def assert_small_pool_evicts_retracts_and_matches(path: str, log) -> None:
+    """16 concurrent requests on a 256-token pool: every output exact, and eviction and
+    retraction both happened, with the slot invariants checked every step."""
+    server = ServerProcess(path, log, extra=["--max-total-tokens", "256", "--debug-invariants"])
     server.start()
     try:
         for seed in range(3):  # until both happened: how often depends on timing
