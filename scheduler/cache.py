@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.messages import ExtendReq
 from scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from scheduler.radix_cache import MatchResult, RadixCache
 from scheduler.request import Req
@@ -125,23 +126,45 @@ class KVCacheManager:
         req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
         req.num_computed = len(m.slot_ids) + len(locs)
         req.state_slot = state
+        if m.kv_len > len(m.slot_ids):  # the cached KV went further: where this prompt
+            req.branch_points = [m.kv_len]  # branches off, for the next one that does
         self.req_to_token.alloc(req.rid, m.slot_ids + locs)
         return self._with_snapshot(req, Admission(m.slot_ids, locs, m.snapshot))
 
     def _with_snapshot(self, req: Req, adm: Admission) -> Admission:
-        """Add the piece's snapshot: the state after a chunk that is not the last, or, in
+        """Add the piece's snapshots: the state after a chunk that is not the last, or, in
         the last one, after all but the last token (where the same prompt sent again, or a
-        resumed request, matches). Skipped when no state slot can be had."""
+        resumed request, matches), and at the branch points the piece reaches. Each is
+        skipped when no state slot can be had."""
         if self.states is None or self.tree.disable:
             return adm
         start, end, fill_len = len(adm.prefix_slot_ids), req.num_computed, len(req.fill_ids)
-        at = end if end < fill_len else fill_len - 1
-        if at > start:
-            slot = self.alloc_state()
-            if slot:
-                adm.snapshots.append([at - start, slot])
-                req.pending_snapshots.append((at, slot))
+        points = {end if end < fill_len else fill_len - 1}
+        points.update(p for p in req.branch_points if p <= end)
+        req.branch_points = [p for p in req.branch_points if p > end]
+        for at in sorted(p for p in points if p > start):
+            self._snapshot(req, adm.snapshots, start, at)
         return adm
+
+    def _snapshot(self, req: Req, snapshots: list[list[int]], start: int, at: int) -> None:
+        """Ask for the state after `at` tokens in the piece that starts at `start`."""
+        slot = self.alloc_state()
+        if slot:
+            snapshots.append([at - start, slot])
+            req.pending_snapshots.append((at, slot))
+
+    def snapshot_for_twin(self, req: Req, ext: ExtendReq, at: int) -> None:
+        """A waiting prompt shares `req`'s first `at` tokens, which `req` computes now or in
+        a later chunk: snapshot the state there, so that prompt can resume from it."""
+        if self.states is None or self.tree.disable:
+            return
+        if at in req.branch_points or any(a == at for a, _ in req.pending_snapshots):
+            return
+        start = len(ext.prefix_slot_ids)
+        if at > start + len(ext.input_ids):
+            req.branch_points.append(at)
+        elif at > start:
+            self._snapshot(req, ext.snapshots, start, at)
 
     def cache_unfinished(self, req: Req) -> None:
         """Insert `req`'s computed tokens into the trie so waiting requests can share them,
@@ -200,7 +223,7 @@ class KVCacheManager:
         if self.states is not None:
             self.states.free([req.state_slot] + [s for _, s in req.pending_snapshots])
         req.last_node, req.cache_len, req.num_computed = None, 0, 0
-        req.state_slot, req.pending_snapshots = 0, []
+        req.state_slot, req.pending_snapshots, req.branch_points = 0, [], []
         return snapshot
 
     def check_invariants(self, holders: list[Req]) -> None:

@@ -4,7 +4,8 @@ A request is admitted while the pool can hold its new tokens plus a share of its
 decode tokens (`new_token_ratio`, as SGLang estimates), the batch stays within
 `--chunked-prefill-size` new tokens, and the running set within `--max-running-requests`.
 A request that shares a long uncached prefix with one already picked waits a round: the
-picked one computes the prefix, inserts it into the trie, and the others then match it.
+picked one computes the prefix, inserts it into the trie, and the others then match it
+(for a model with recurrent layers, the picked one also snapshots its state there).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def build_prefill(
         if token_budget <= 0 or (req is not chunked and seats <= 0):
             break
         new = req.seq_len - (req.num_computed if req is chunked else matched)
-        if req is not chunked and _waits_for_twin(req, matched, batch.reqs):
+        twin = None if req is chunked else _twin(req, matched, batch.reqs)
+        if twin is not None:
+            i, shared = twin
+            kv.snapshot_for_twin(batch.reqs[i], batch.extend[i], shared)
             continue
         future = int(min(req.remaining_new_tokens, 4096) * new_token_ratio)
         if req is not chunked and new + future > kv_budget:
@@ -106,13 +110,15 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
     return ext
 
 
-def _waits_for_twin(req: Req, matched: int, picked: list[Req]) -> bool:
-    """True if a picked request is about to compute a long prefix `req` could then reuse."""
+def _twin(req: Req, matched: int, picked: list[Req]) -> tuple[int, int] | None:
+    """(index in `picked`, shared length) of a picked request about to compute a long
+    prefix `req` could then reuse, or None."""
     fill = req.fill_ids
-    for other in picked:
-        if _common_prefix_len(fill, other.fill_ids) - matched >= IN_BATCH_PREFIX_MIN:
-            return True
-    return False
+    for i, other in enumerate(picked):
+        shared = _common_prefix_len(fill, other.fill_ids)
+        if shared - matched >= IN_BATCH_PREFIX_MIN:
+            return i, min(shared, len(fill) - 1)  # where `req` can resume
+    return None
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -46,6 +46,7 @@ class MatchResult:
     slot_ids: list[int]  # KV slots of the longest cached prefix
     last_node: TreeNode  # node ending exactly at the match (root if nothing matched)
     snapshot: int = 0  # match_snapshot only: last_node's state slot (0 at the root)
+    kv_len: int = 0  # match_snapshot only: the KV match it was cut back from
 
 
 def _key_match_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -130,7 +131,7 @@ class RadixCache:
         while node is not self.root and node.snapshot is None:
             n -= len(node.key)
             node = node.parent
-        return MatchResult(m.slot_ids[:n], node, node.snapshot or 0)
+        return MatchResult(m.slot_ids[:n], node, node.snapshot or 0, len(m.slot_ids))
 
     def attach_snapshot(self, token_ids: Sequence[int], slot: int) -> bool:
         """Give the node ending exactly after ``token_ids`` (split there if need be) the state

@@ -21,10 +21,12 @@ class Req:
     num_computed: int = 0
     last_node: Any = None
     dup_slots: list[int] = field(default_factory=list)
-    # Recurrent layers: the working state slot, held from admission to release, and the
-    # snapshots (token count, state slot) the worker takes in the step in flight.
+    # Recurrent layers: the working state slot, held from admission to release, the
+    # snapshots (token count, state slot) the worker takes in the step in flight, and
+    # token counts where a later piece is to take one (where other prompts branch off).
     state_slot: int = 0
     pending_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    branch_points: list[int] = field(default_factory=list)
     cached_tokens: int = -1  # prefix hit at first admission, reported in usage
     finish_reason: str | None = None
     to_abort: bool = False

@@ -234,3 +234,36 @@ def test_random_workloads_keep_state_slots_accounted(data, num_state_slots, chun
         max_running_requests=4,
         disable_radix_cache=disable,
     )
+
+
+def test_a_shared_system_prompt_is_reused_from_the_branch_point(make_harness):
+    """The second prompt matches the first one's KV past any snapshot: it recomputes from
+    the deepest snapshot and snapshots where it branches off, so the third resumes there."""
+    h = make_harness(1024, num_state_slots=16)
+    rng = random.Random(8)
+    system = toks(rng, 60)
+    h.submit("a", system + toks(rng, 10), 4)
+    h.wait_idle()  # the releases too: they reach the worker after the last token
+    h.submit("b", system + toks(rng, 12), 4)
+    h.wait_idle()
+    b = first_extend(h, "b")
+    assert b.prefix_slot_ids == [] and [60, b.snapshots[0][1]] in b.snapshots
+    h.submit("c", system + toks(rng, 8), 4)
+    h.wait_idle()
+    h.verify()
+    c = first_extend(h, "c")
+    assert c.prefix_state == b.snapshots[0][1] and h.results["c"].cached_tokens == 60
+
+
+def test_prompts_arriving_together_share_a_prefix_through_a_twin_snapshot():
+    """One computes the shared prefix and snapshots its end; the others wait a round and
+    resume there (and the same prompt twice resumes at its last token)."""
+    rng = random.Random(9)
+    system = toks(rng, 50)
+    prompts = [system + toks(rng, 6) for _ in range(3)] + [system]
+    worker = _run_in_process(
+        prompts, [5] * 4, num_slots=512, num_state_slots=16, max_running_requests=8
+    )
+    first = worker.extends["r0"][0]
+    assert sorted(n for n, _ in first.snapshots) == [49, 50, 55]  # system[:-1], system, end-1
+    assert [worker.first_prefix[f"r{i}"] for i in range(4)] == [0, 50, 50, 49]
