@@ -54,7 +54,8 @@ _STATUS_CODES = {
 
 
 def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI:
-    app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None, openapi_url=None)
+    # the schema is published (schemathesis fuzzes the API from it); the docs UIs are not
+    app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=args.api_key, max_bytes=args.max_request_bytes)
     if args.allowed_origins:  # outside the guard: a preflight carries no API key
         app.add_middleware(

@@ -91,6 +91,7 @@ class RouterManager:
         self.ready_event = asyncio.Event()
         self.stats: SchedulerStats | None = None
         self.hung: WorkerHung | None = None  # the scheduler's watchdog fired
+        self.last_heard = time.monotonic()  # the scheduler's last frame (at least 1/s)
         self.state, self.reason = "starting", ""
         self._settled = asyncio.Event()  # set while not restarting
         self._settled.set()
@@ -106,6 +107,7 @@ class RouterManager:
     async def receive_loop(self) -> None:
         while True:
             frame = await self.from_scheduler.recv()
+            self.last_heard = time.monotonic()
             try:
                 msg = decode(frame, ROUTER_INBOX)
             except ProtocolError as exc:
@@ -146,6 +148,7 @@ class RouterManager:
 
     def serving(self) -> None:
         self.state, self.reason, self.hung = "serving", "", None
+        self.last_heard = time.monotonic()
         self._settled.set()
 
     def restarting(self, reason: str) -> None:

@@ -28,6 +28,9 @@ CHECK_INTERVAL = 0.1  # seconds between liveness checks: a death is noticed well
 RESTART_WINDOW = 600.0  # seconds over which --max-restarts counts
 STARTUP_TIMEOUT = 900.0  # seconds for the worker to load the model and size its pool
 STOP_TIMEOUT = 5.0  # seconds children get to exit on STOP_SIGNAL before they are killed
+# The scheduler sends stats at least every second, also while it waits for a step; this
+# long without a frame from it, it counts as hung.
+SCHEDULER_SILENCE = 10.0
 
 
 def describe_exit(name: str, code: int | None) -> str:
@@ -105,10 +108,13 @@ class Supervisor:
 
     async def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> tuple[str, str] | None:
         """None once the scheduler reported ready, else (process, why not)."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while time.monotonic() < deadline:
             try:
                 await asyncio.wait_for(self.manager.ready_event.wait(), CHECK_INTERVAL)
+                logger.info("worker and scheduler ready %.2f s after their start",
+                            time.monotonic() - started)  # fmt: skip
                 return None
             except asyncio.TimeoutError:
                 dead = self.children.dead()
@@ -138,6 +144,10 @@ class Supervisor:
                 f"worker step {hung.step} did not complete within "
                 f"{self.children.args.watchdog_timeout:g} s (--watchdog-timeout); killed it"
             )
+        silence = time.monotonic() - self.manager.last_heard
+        if self.manager.state == "serving" and silence > SCHEDULER_SILENCE:
+            self.children.kill("scheduler")
+            return "scheduler", f"scheduler sent nothing for {silence:.0f} s; killed it"
         return self.children.dead()
 
     async def _restart(self, process: str, reason: str) -> str:

@@ -40,7 +40,7 @@ from common.trace import Trace
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("scheduler")
-STATS_INTERVAL = 0.5  # seconds between SchedulerStats when nothing changed
+STATS_INTERVAL = 0.5  # seconds between SchedulerStats when nothing changed (a heartbeat)
 
 
 class SchedulerProcess:
@@ -101,6 +101,7 @@ class SchedulerProcess:
             msg = self._poll(timeout_ms=1000, want_worker=True)
             waited = time.monotonic() - sent
             if msg is None:
+                self._send_stats(self.sched.stats())  # the router's sign that we are alive
                 if waited > self.args.watchdog_timeout and not reported:
                     logger.error("step %d not done after %.1f s (watchdog)", batch.step, waited)
                     self.to_router.send(encode(WorkerHung(batch.step, waited)))

@@ -15,6 +15,22 @@ from common.server_process import ServerProcess as _Process
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
 
 
+def exited(pids: list[int], timeout: float = 10) -> bool:
+    """Whether every one of `pids` is gone within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.05)
+
+
 class ServerProcess(_Process):
     def __init__(self, model: str, log_path: Path, extra: list[str] | None = None):
         self.port, self.zmq_port = free_ports(2)

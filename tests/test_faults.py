@@ -21,6 +21,7 @@ import httpx
 import pytest
 import zmq
 
+from benchmarks.sse import aiter_sse_data
 from common.messages import (
     DecodeBatch,
     GenerateReq,
@@ -30,6 +31,7 @@ from common.messages import (
     TokenOutBatch,
 )
 from common.protocol import encode
+from router.client import Client, RadixMLXError
 from tests.conftest import mlx_greedy
 from tests.server import ServerProcess
 from tests.test_metrics import PREFIX, scrape, wait_idle
@@ -93,10 +95,10 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict, first: asyncio.
     ids, error = [], None
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for data in aiter_sse_data(r):
+            if data == "[DONE]":
                 continue
-            event = json.loads(line[6:])
+            event = json.loads(data)
             if "error" in event:
                 error = event["error"]["message"]
                 continue
@@ -174,6 +176,18 @@ def test_sigkill_worker_during_decode_with_16_streams(server, tiny_model):
     assert_recovered(server, tiny_model, 2)
 
 
+def test_sdk_stream_in_flight_raises_radix_mlx_error(server, tiny_model):
+    with Client(server.zmq_address, timeout=60) as client:
+        chunks = client.stream(input_ids=[5, 6, 7], max_new_tokens=3000, ignore_eos=True)
+        assert next(chunks).token_ids
+        os.kill(server.child("worker"), signal.SIGKILL)
+        with pytest.raises(RadixMLXError, match="worker process exited") as caught:
+            for _ in chunks:
+                pass
+        assert caught.value.status == 503
+    assert_recovered(server, tiny_model, 9)
+
+
 def test_sigkill_scheduler_and_requests_during_the_restart_are_served(server, tiny_model):
     before = restarts(server, "scheduler")
     thread, out = _post_in_thread(server.url, _body([5, 6, 7], 3000))
@@ -204,6 +218,16 @@ def test_sigstopped_worker_past_the_watchdog_is_restarted(server, tiny_model):
     assert_recovered(server, tiny_model, 4)
     assert restarts(server, "worker") == before + 1
     assert server.child("worker") != worker
+
+
+def test_sigstopped_scheduler_is_restarted(server, tiny_model):
+    scheduler = server.child("scheduler")
+    with _stopped(scheduler):
+        r = httpx.post(server.url + "/v1/completions", json=_body([4, 5, 6], 8), timeout=60)
+    assert r.status_code == 503, r.text
+    assert "scheduler sent nothing for" in r.json()["error"]["message"]
+    assert_recovered(server, tiny_model, 10)
+    assert server.child("scheduler") != scheduler
 
 
 def _bad_frames() -> list[bytes]:
@@ -285,8 +309,8 @@ def test_100_streaming_clients_that_disconnect_at_random(server, tiny_model):
         body = _body(prompt, max_tokens, stream=True)
         async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
             seen = 0
-            async for line in r.aiter_lines():
-                seen += line.startswith("data: ")
+            async for _ in aiter_sse_data(r):
+                seen += 1
                 if seen >= keep:
                     return  # leaving the block closes the connection mid-stream
 

@@ -14,11 +14,12 @@ import httpx
 import pytest
 import zmq
 
+from benchmarks.sse import iter_sse_data
 from common.messages import ClientGenerate, SamplingParams
 from common.protocol import encode
 from router.client import Client, RadixMLXError
 from tests.conftest import load_model, mlx_greedy
-from tests.server import RADIX_MLX, ServerProcess
+from tests.server import RADIX_MLX, ServerProcess, exited
 
 pytestmark = pytest.mark.slow
 
@@ -131,17 +132,6 @@ def test_server_side_error_reaches_sdk_as_exception(tiny_server):
             client.generate(input_ids=[1, 2, 3], max_new_tokens=10**6)
 
 
-def _pids_alive(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_shutdown_leaves_no_child_and_no_socket(tiny_model, tmp_path, sig):
     server = ServerProcess(tiny_model, tmp_path / "log", extra=["--max-total-tokens", "512"])
@@ -154,10 +144,7 @@ def test_shutdown_leaves_no_child_and_no_socket(tiny_model, tmp_path, sig):
     server.stop(sig)
     assert time.monotonic() - started < 10
     assert server.proc.returncode == 0, server.log()
-    deadline = time.monotonic() + 5
-    while _pids_alive(children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _pids_alive(children) == []
+    assert exited(children, 5)
     assert not os.path.exists(ours)
 
 
@@ -167,11 +154,11 @@ def test_killed_worker_with_no_restarts_left_exits_nonzero(tiny_model, tmp_path)
     server.start()
     body = {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+        events = iter_sse_data(r)
+        assert next(events).startswith("{")
         os.kill(server.child("worker"), signal.SIGKILL)
-        events = [line for line in lines if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
+        events = list(events)
+    assert events[-1] == "[DONE]"
     assert "worker process exited with status -9 (SIGKILL)" in events[-2], events[-2:]
     server.proc.wait(15)
     assert server.proc.returncode not in (0, None)

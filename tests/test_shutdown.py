@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.server import ServerProcess
+from benchmarks.sse import iter_sse_data
+from tests.server import ServerProcess, exited
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +41,10 @@ class _Stream(threading.Thread):
         body = {"prompt": [5, 6, 7], "max_tokens": self.max_tokens, "ignore_eos": True,
                 "stream": True, "temperature": 0}  # fmt: skip
         with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
+            for data in iter_sse_data(r):
+                if not data.startswith("{"):
                     continue
-                event = json.loads(line[6:])
+                event = json.loads(data)
                 if "error" in event:
                     self.errors.append(event["error"]["message"])
                     continue
@@ -51,22 +52,6 @@ class _Stream(threading.Thread):
                 self.ids += choice["token_ids"]
                 self.finish = choice["finish_reason"] or self.finish
                 self.first.set()
-
-
-def _gone(pids: list[int], timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_group_sigterm_drains_in_flight_streams(tiny_model, tmp_path):
@@ -85,7 +70,7 @@ def test_group_sigterm_drains_in_flight_streams(tiny_model, tmp_path):
             s.join(60)
             assert (len(s.ids), s.finish, s.errors) == (600, "length", [])
         assert server.proc.wait(30) == 0
-        assert _gone(children)
+        assert exited(children)
         assert "Traceback" not in server.log()
     finally:
         server.stop()
@@ -117,7 +102,7 @@ def test_second_signal_stops_at_once(tiny_model, tmp_path):
         assert server.proc.poll() is None  # draining, for up to 600 s
         server.proc.send_signal(signal.SIGINT)
         assert server.proc.wait(15) == 0
-        assert _gone(children)
+        assert exited(children)
         stream.join(30)
         assert stream.finish is None
         assert "Traceback" not in server.log()
