@@ -1,7 +1,7 @@
 """HTTP fuzzing with schemathesis against the server's own OpenAPI schema (FastAPI
 publishes it at /openapi.json): every generated request gets a 2xx, or a 4xx with an
-OpenAI error body (Anthropic's on /v1/messages); never a 5xx, a hang or a dead process. A bounded number of examples
-per operation keeps it to seconds."""
+OpenAI error body (Anthropic's on /v1/messages); never a 5xx, a hang or a dead process.
+A bounded number of examples per operation keeps it to seconds."""
 
 from __future__ import annotations
 
