@@ -4,21 +4,21 @@ The router stops its children with STOP_SIGNAL. SIGINT (a terminal's Ctrl-C reac
 whole process group) is the router's to handle. A SIGTERM may be an operator's `kill` of
 this one process, which should stop it (the router then restarts it), or one sent to the
 whole group by systemd or a container runtime, which the router answers by draining:
-its children must keep serving until it stops them. So a child waits a moment after a
-SIGTERM and exits only if the router has not started stopping by then.
+its children must keep serving until it stops them. So after a SIGTERM a child waits up
+to GROUP_SIGNAL_GRACE for the router to say it is stopping (at once, if it got the same
+signal), and exits if it does not.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import time
 
 from setproctitle import setproctitle
 
 TITLE_PREFIX = "radix-mlx::"
 STOP_SIGNAL = signal.SIGUSR1
-GROUP_SIGNAL_GRACE = 0.3  # seconds for the router to mark itself stopping on a group SIGTERM
+GROUP_SIGNAL_GRACE = 2.0  # seconds for the router to mark itself stopping (a loaded machine)
 
 
 def set_title(name: str) -> None:
@@ -32,8 +32,7 @@ def setup_child(name: str, router_stopping=None) -> None:
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
 
     def on_sigterm(*_) -> None:
-        time.sleep(GROUP_SIGNAL_GRACE)
-        if router_stopping is None or not router_stopping.is_set():
+        if router_stopping is None or not router_stopping.wait(GROUP_SIGNAL_GRACE):
             sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)

@@ -220,6 +220,19 @@ def test_sigstopped_worker_past_the_watchdog_is_restarted(server, tiny_model):
     assert server.child("worker") != worker
 
 
+def test_sigterm_to_the_worker_alone_restarts_it(server, tiny_model):
+    worker = server.child("worker")
+    before = restarts(server, "worker")
+    os.kill(worker, signal.SIGTERM)  # an operator's kill: the router is not stopping
+    deadline = time.monotonic() + 30
+    while restarts(server, "worker") == before:
+        assert time.monotonic() < deadline, server.log(20)
+        time.sleep(0.1)
+    assert_recovered(server, tiny_model, 11)
+    assert server.child("worker") != worker
+    assert "worker process exited with status 0; restarting" in server.log()
+
+
 def test_sigstopped_scheduler_is_restarted(server, tiny_model):
     scheduler = server.child("scheduler")
     with _stopped(scheduler):
