@@ -190,8 +190,9 @@ def test_sdk_stream_in_flight_raises_radix_mlx_error(server, tiny_model):
 
 def test_sigkill_scheduler_and_requests_during_the_restart_are_served(server, tiny_model):
     before = restarts(server, "scheduler")
+    prefills = server.log().count("Prefill batch")
     thread, out = _post_in_thread(server.url, _body([5, 6, 7], 3000))
-    _wait_log(server, "#new-token: 3,", 1)
+    _wait_log(server, "Prefill batch", prefills + 1)  # it reached the scheduler
     os.kill(server.child("scheduler"), signal.SIGKILL)
     thread.join(30)
     assert out["response"].status_code == 503
