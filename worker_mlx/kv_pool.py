@@ -41,9 +41,6 @@ class KVLayout:
         widths = self.head_dim + self.value_dim
         return self.num_layers * self.n_kv_heads * widths * self.dtype.size
 
-    def window(self, layer: int) -> int | None:
-        return self.windows[layer] if self.windows else None
-
     def in_model_order(self, kv: list, states: list) -> list:
         """One list of caches for the model: `kv` (one per KV layer) and `states` (one per
         recurrent layer) interleaved as the model's layers use them."""

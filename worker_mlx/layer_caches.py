@@ -11,13 +11,13 @@ implements that protocol three times, for three moments of a request:
   traced by `mx.compile`.
 
 A new layer kind is a change to this file: each class says what its layers see. A
-recurrent layer (mlx-lm's `ArraysCache`: conv and SSM / gated-delta state) gets a
-`StateCache` over the states its rows start from. A
 sliding-window layer (mlx-lm's `RotatingKVCache(max_size=W)`) sees the same slots as any
 other, and the model asks for its mask with `make_mask(N, window_size=W)`: the window is
 applied there, so it attends exactly the W tokens mlx-lm's rotating cache holds. In a
 decode step a windowed layer also reads only the columns its window can reach, so the
-window, not the context, bounds its work.
+window, not the context, bounds its work. A recurrent layer (mlx-lm's `ArraysCache`:
+conv and SSM / gated-delta state) gets a `StateCache` over the states its rows start
+from.
 """
 
 from __future__ import annotations

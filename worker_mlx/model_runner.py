@@ -182,7 +182,7 @@ class ModelRunner:
         whole of their input: `passes` cut pieces where the snapshots are)."""
         pairs = [(r.state_slot, slot) for r in reqs for _, slot in r.snapshots]
         if pairs:
-            self.states.copy([a for a, _ in pairs], [b for _, b in pairs])
+            self.states.copy(pairs)
 
     def _arrays(self) -> list[mx.array]:
         return self.pool.arrays() + (self.states.all() if self.states is not None else [])
@@ -375,7 +375,7 @@ class ModelRunner:
             if r.flush and 1 <= r.snapshot <= n and r.rid in self.reqs
         ]
         if snaps:
-            self.states.copy([a for a, _ in snaps], [b for _, b in snaps])
+            self.states.copy(snaps)
             mx.eval(self.states.all())
 
     def _flush(self, skip: set[str] = frozenset()) -> None:

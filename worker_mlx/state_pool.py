@@ -60,11 +60,13 @@ class StatePool:
         for a, v in zip(self.arrays[layer], values):
             a[slots] = v.astype(a.dtype)
 
-    def copy(self, src: list[int], dst: list[int]) -> None:
-        """Every layer's state of slots `src` into slots `dst` (snapshots)."""
-        if not src:
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Every layer's state of slot `src` into slot `dst`, for each (src, dst) pair
+        (snapshots)."""
+        if not pairs:
             return
-        s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        s = mx.array([a for a, _ in pairs], dtype=mx.int32)
+        d = mx.array([b for _, b in pairs], dtype=mx.int32)
         for layer in self.arrays:
             for a in layer:
                 a[d] = a[s]
