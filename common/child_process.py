@@ -11,6 +11,7 @@ signal), and exits if it does not.
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import sys
 
@@ -26,8 +27,11 @@ def set_title(name: str) -> None:
 
 
 def setup_child(name: str, router_stopping=None) -> None:
-    """`router_stopping`: a multiprocessing Event the router sets when it starts to stop."""
-    set_title(name)
+    """`router_stopping`: a multiprocessing Event the router sets when it starts to stop.
+    The title is the process's name when the router gave it one that extends `name`
+    (`worker-r1`: a replica's worker)."""
+    given = multiprocessing.current_process().name
+    set_title(given if given.startswith(name) else name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
 

@@ -89,6 +89,24 @@ class ServerArgs:
     max_restarts: int = flag(
         5, "restarts of a dead or hung worker/scheduler allowed within 10 minutes, then exit 1"
     )
+    dp_size: int = flag(
+        1, "data-parallel replicas: scheduler+worker pairs, each with its share of the pool budget"
+    )
+    routing_policy: str = flag(
+        "cache_aware",
+        "which replica a request goes to: longest cached prefix while load is balanced, "
+        "the next in turn, or the fewest in flight",
+        choices=["cache_aware", "round_robin", "least_load"],
+    )
+    cache_threshold: float = flag(
+        0.5, "cache_aware: share of a prompt a replica must hold cached to get it"
+    )
+    balance_abs_threshold: int = flag(
+        32, "cache_aware: load is imbalanced when replicas differ by more requests than this"
+    )
+    balance_rel_threshold: float = flag(
+        1.0001, "cache_aware: ... and the busiest has more than this times the idlest's"
+    )
     debug_invariants: bool = flag(False, "check KV bookkeeping every step")
     seed: int = flag(0, "seed of the worker's sampling keys for requests without a seed")
     trace_dir: str | None = flag(
@@ -121,6 +139,12 @@ class ServerArgs:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
+        if self.dp_size < 1:
+            raise ValueError("--dp-size must be >= 1")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError("--cache-threshold must be in [0, 1]")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("--balance-abs-threshold must be >= 0, --balance-rel-threshold >= 1")
 
     @property
     def model_name(self) -> str:

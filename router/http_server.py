@@ -109,10 +109,12 @@ class _Routes:
         self.model_name = args.model_name
 
     async def health(self):
+        """200 while a replica serves; the body says why not, and lists every replica."""
+        replicas = [r.describe() for r in self.manager.replicas]
         if self.manager.healthy and self.manager.ready is not None:
-            return PlainTextResponse("ok")
+            return JSONResponse({"status": "ok", "replicas": replicas})
         reason = self.manager.unhealthy_reason or "starting"
-        return PlainTextResponse(reason, status_code=503)
+        return JSONResponse({"status": reason, "replicas": replicas}, status_code=503)
 
     async def models(self):
         card = {

@@ -1,10 +1,14 @@
-"""`radix-mlx serve`: start the worker and scheduler, supervise them, serve HTTP and ZMQ.
+"""`radix-mlx serve`: start the replicas' workers and schedulers, supervise them, serve
+HTTP and ZMQ.
 
-The launcher process is the router. Its children (`router.supervisor`) talk over ipc
-sockets in a private runtime directory, are restarted when they die or hang, and exit on
-their own if this process disappears. SIGTERM or SIGINT drains: new requests get 503,
-in-flight ones get up to --graceful-shutdown-timeout seconds; a second signal stops at
-once. Either way the children are stopped and the runtime directory removed.
+The launcher process is the router. Its children (`router.supervisor`), a worker and a
+scheduler per replica (`--dp-size`), talk over ipc sockets in a private runtime directory
+(a subdirectory per replica), are restarted when they die or hang, and exit on their own
+if this process disappears. With several replicas and an auto-sized pool, the first
+replica sizes its pool from its share of the memory budget and the others start once it
+is ready, with a pool of the same size (so do restarts). SIGTERM or SIGINT drains: new
+requests get 503, in-flight ones get up to --graceful-shutdown-timeout seconds; a second
+signal stops at once. Either way the children are stopped and the runtime directory removed.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -20,6 +25,7 @@ import time
 
 import uvicorn
 import uvloop
+import zmq.asyncio
 
 from common.child_process import set_title
 from common.ipc import Endpoints
@@ -31,7 +37,9 @@ from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
 from router.model_files import ModelNotFound, load_tokenizer, resolve_model_path
-from router.supervisor import Children, Supervisor
+from router.replicas import Replica, ReplicaLink, ReplicaSet
+from router.routing import make_policy
+from router.supervisor import Children, Supervision, Supervisor
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
@@ -53,21 +61,42 @@ def serve(args: ServerArgs) -> int:
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)
-    endpoints = Endpoints.ipc(runtime_dir) if args.transport == "ipc" else Endpoints.tcp()
-    children = Children(child_args, endpoints)
-    children.start()
+    children = _replica_children(child_args, runtime_dir)
+    for replica in children if _start_together(args) else children[:1]:
+        replica.start()
 
     def stop_now(*_):  # before HTTP serves (the model loads): nothing to drain yet
-        children.stopping.set()
+        children[0].stopping.set()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop_now)
     signal.signal(signal.SIGINT, stop_now)
     try:
-        return uvloop.run(_main(args, endpoints, tokenizer, children))
+        return uvloop.run(_main(args, tokenizer, children))
     finally:
-        children.stop()
+        for replica in children:
+            replica.stop()
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def _replica_children(args: ServerArgs, runtime_dir: str) -> list[Children]:
+    """Each replica's children, with its own endpoints (and ipc subdirectory)."""
+    n = args.dp_size
+    out: list[Children] = []
+    for i in range(n):
+        if args.transport == "ipc":
+            os.mkdir(path := os.path.join(runtime_dir, f"r{i}"))
+            endpoints = Endpoints.ipc(path)
+        else:
+            endpoints = Endpoints.tcp()
+        stopping = out[0].stopping if out else None
+        out.append(Children(args, endpoints, f"-r{i}" if n > 1 else "", stopping))
+    return out
+
+
+def _start_together(args: ServerArgs) -> bool:
+    """All replicas at once, unless later ones must take the first one's pool size."""
+    return args.dp_size == 1 or args.max_total_tokens is not None
 
 
 class _Server(uvicorn.Server):
@@ -82,7 +111,8 @@ class _Server(uvicorn.Server):
 
 
 class Shutdown:
-    """The first signal drains, the second stops at once."""
+    """The first signal drains, the second stops at once. `children`: any replica's (they
+    share the `stopping` event)."""
 
     def __init__(self, manager: RouterManager, children: Children, timeout: float):
         self.manager, self.children, self.timeout = manager, children, timeout
@@ -124,20 +154,23 @@ class Shutdown:
         self.server.should_exit = True
 
 
-async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: Children) -> int:
+async def _main(args: ServerArgs, tokenizer, children: list[Children]) -> int:
     metrics = Metrics()
-    manager = RouterManager(
-        endpoints.scheduler_in,
-        endpoints.router_in,
-        tokenizer,
-        metrics,
-        args.max_queued_requests,
-        Trace(args.trace_dir, "router"),
-    )
-    supervisor = Supervisor(children, manager, metrics, args.max_restarts)
+    ctx = zmq.asyncio.Context()
+    replicas = ReplicaSet([
+        Replica(f"r{i}", c.endpoints.scheduler_in, ReplicaLink.local(ctx, c.endpoints))
+        for i, c in enumerate(children)
+    ])  # fmt: skip
+    policy = make_policy(args.routing_policy, args.cache_threshold,
+                         args.balance_abs_threshold, args.balance_rel_threshold)  # fmt: skip
+    manager = RouterManager(replicas, tokenizer, metrics, args.max_queued_requests,
+                            Trace(args.trace_dir, "router"), policy, ctx)  # fmt: skip
+    supervisor = Supervision([
+        Supervisor(c, r, manager, metrics, args.max_restarts) for c, r in zip(children, replicas)
+    ])  # fmt: skip
     receiver = asyncio.create_task(manager.receive_loop())
     try:
-        failure = await supervisor.wait_ready()
+        failure = await _start_up(args, children, supervisor)
         if failure is not None:
             logger.error("start-up failed: %s", failure[1])
             return 1
@@ -145,7 +178,7 @@ async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: Chi
         zmq_port = args.zmq_port or args.port + 1
         frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer, args.api_key)
         door = asyncio.create_task(frontdoor.serve())
-        shutdown = Shutdown(manager, children, args.graceful_shutdown_timeout)
+        shutdown = Shutdown(manager, children[0], args.graceful_shutdown_timeout)
         server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics),
                                            shutdown.on_signal)  # fmt: skip
         watcher = asyncio.create_task(_supervise(supervisor, server))
@@ -165,6 +198,26 @@ async def _main(args: ServerArgs, endpoints: Endpoints, tokenizer, children: Chi
         manager.close()
 
 
+async def _start_up(args: ServerArgs, children: list[Children], supervision: Supervision):
+    """Every replica ready (None), else (process, why not). Later replicas that must
+    take the first one's pool size start once it is ready; with several replicas every
+    restart keeps the pool size the replica started with."""
+    sups = supervision.supervisors
+    if not _start_together(args):
+        failure = await sups[0].wait_ready()
+        if failure is not None:
+            return failure
+        size = sups[0].replica.ready.num_slots
+        for c in children[1:]:
+            c.args = dataclasses.replace(c.args, max_total_tokens=size)
+            c.start()
+    failure = await supervision.wait_ready()
+    if failure is None and len(children) > 1:
+        for c, sup in zip(children, sups):
+            c.args = dataclasses.replace(c.args, max_total_tokens=sup.replica.ready.num_slots)
+    return failure
+
+
 def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(manager, tokenizer, args, metrics),
@@ -179,7 +232,7 @@ def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Confi
     )
 
 
-async def _supervise(supervisor: Supervisor, server: uvicorn.Server) -> str:
+async def _supervise(supervisor: Supervision, server: uvicorn.Server) -> str:
     """The supervisor's give-up line, logged, ends the server."""
     line = await supervisor.watch()
     if line:

@@ -1,12 +1,18 @@
-"""RouterManager: tokenized requests down to the scheduler, token outputs back to callers.
+"""RouterManager: tokenized requests down to a replica's scheduler, token outputs back to
+callers.
 
-Runs on the router's asyncio loop. Each request gets a queue; one receive task routes
-the scheduler's TokenOutBatch / ReqError messages into those queues. The HTTP server and
-the SDK front door both go through `generate`.
+Runs on the router's asyncio loop. Each request gets a queue; one receive task per replica
+(`router.replicas`) routes that scheduler's TokenOutBatch / ReqError messages into those
+queues. The HTTP server and the SDK front door both go through `generate`, which sends
+each request to the replica the routing policy (`router.routing`) picks among those that
+serve.
 
 The manager also holds the serving state the supervisor and the signal handlers set:
-starting, serving, restarting (new requests wait up to RESTART_WAIT for the fresh
-children, then get a 503 with Retry-After), draining and stopped (new requests get 503).
+starting, serving, draining and stopped (new requests get 503). While serving with no
+replica ready (all are restarting), new requests wait up to RESTART_WAIT for one, then get
+a 503 with Retry-After. When a replica goes down, its requests that have not produced a
+token yet are sent once to another replica that serves; the others fail with a 503 that
+names the replica and the cause.
 """
 
 from __future__ import annotations
@@ -19,10 +25,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import zmq
 import zmq.asyncio
 
-from common.ipc import bind_pull, connect_push
 from common.messages import (
     ROUTER_INBOX,
     AbortReq,
@@ -37,6 +41,8 @@ from common.messages import (
 )
 from common.protocol import ProtocolError, decode, encode, peek_rids
 from common.trace import Trace
+from router.replicas import Replica, ReplicaSet
+from router.routing import RoundRobin
 
 logger = logging.getLogger("router")
 RESTART_WAIT = 30.0  # seconds a request that arrives during a restart waits for it
@@ -64,99 +70,157 @@ def unavailable(message: str, retry_after: float | None = None) -> RequestError:
 
 
 @dataclass
+class _Lost:
+    """The replica a request ran on went down; it may be retried once if nothing came yet."""
+
+    replica: Replica
+    error: RequestError
+
+
+@dataclass
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
+    replica: Replica | None = None
+    produced: bool = False  # an output reached the caller
+    retried: bool = False
 
 
 class RouterManager:
     def __init__(
         self,
-        scheduler_in: str,
-        router_in: str,
+        replicas: ReplicaSet,
         tokenizer,
         metrics=None,
         max_pending: int = 4096,
         trace: Trace | None = None,
+        policy=None,
+        ctx: zmq.asyncio.Context | None = None,
     ):
-        self.ctx = zmq.asyncio.Context()
-        self.to_scheduler = connect_push(self.ctx, scheduler_in)
-        self.from_scheduler = bind_pull(self.ctx, router_in)
+        self.ctx = ctx or zmq.asyncio.Context()
+        self.replicas = replicas
+        self.policy = policy or RoundRobin()
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.trace = trace or Trace(None, "router")
         self.pending: dict[str, _Pending] = {}
         self.max_pending = max_pending
-        self.ready: SchedulerReady | None = None
-        self.ready_event = asyncio.Event()
-        self.stats: SchedulerStats | None = None
-        self.hung: WorkerHung | None = None  # the scheduler's watchdog fired
-        self.last_heard = time.monotonic()  # the scheduler's last frame (at least 1/s)
         self.state, self.reason = "starting", ""
-        self._settled = asyncio.Event()  # set while not restarting
-        self._settled.set()
+        self.down_reason = ""  # the last replica failure, while none serves
+        self._settled = asyncio.Event()  # set while a replica is ready, draining or stopped
+        self._receivers: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ replicas
 
     @property
-    def healthy(self) -> bool:
-        return self.state == "serving"
+    def ready(self) -> SchedulerReady | None:
+        return self.replicas.first_ready()
 
     @property
-    def unhealthy_reason(self) -> str:
-        return self.reason or self.state
+    def context_len(self) -> int:
+        ready = self.ready
+        return ready.context_len if ready else 0
+
+    def add_replica(self, replica: Replica) -> None:
+        """Start reading a replica's frames (before `receive_loop` runs or after)."""
+        if replica not in self.replicas.replicas:
+            self.replicas.add(replica)
+        if self._receivers:
+            self._receivers.append(asyncio.create_task(self._receive(replica)))
 
     async def receive_loop(self) -> None:
+        self._receivers = [asyncio.create_task(self._receive(r)) for r in self.replicas]
+        try:
+            await asyncio.Event().wait()  # the tasks run until this one is cancelled
+        finally:
+            for task in self._receivers:
+                task.cancel()
+
+    async def _receive(self, replica: Replica) -> None:
         while True:
-            frame = await self.from_scheduler.recv()
-            self.last_heard = time.monotonic()
+            frame = await replica.link.recv()
+            replica.last_heard = time.monotonic()
             try:
                 msg = decode(frame, ROUTER_INBOX)
             except ProtocolError as exc:
-                logger.error("bad frame from scheduler: %s", exc)
+                logger.error("bad frame from the scheduler of replica %s: %s", replica.id, exc)
                 for rid in peek_rids(frame):  # their answer is lost: do not let them wait
-                    self._deliver(rid, RequestError(f"bad frame from the scheduler: {exc}",
-                                                    "internal_error", 500))  # fmt: skip
+                    self._deliver(replica, rid, RequestError(
+                        f"bad frame from the scheduler: {exc}", "internal_error", 500))  # fmt: skip
                 continue
-            self._dispatch(msg)
+            self._dispatch(replica, msg)
 
-    def _dispatch(self, msg) -> None:
+    def _dispatch(self, replica: Replica, msg) -> None:
         if isinstance(msg, TokenOutBatch):
             self.trace("tokens", *(out.rid for out in msg.outputs))
             for out in msg.outputs:
-                self._deliver(out.rid, out)
+                self._deliver(replica, out.rid, out)
         elif isinstance(msg, ReqError):
-            self._deliver(msg.rid, RequestError(msg.message, msg.code, msg.status))
+            self._deliver(replica, msg.rid, RequestError(msg.message, msg.code, msg.status))
         elif isinstance(msg, SchedulerStats):
-            self.stats = msg
+            replica.stats = msg
             if self.metrics:
-                self.metrics.observe_stats(msg)
+                self.metrics.observe_stats(msg, replica.id)
         elif isinstance(msg, SchedulerReady):
-            self.ready = msg
-            if self.metrics:
-                self.metrics.observe_ready(msg)  # before /health can say 200
-            self.ready_event.set()
+            self._replica_ready(replica, msg)
         elif isinstance(msg, WorkerHung):
-            self.hung = msg
+            replica.hung = msg
 
-    def _deliver(self, rid: str, item: TokenOut | RequestError) -> None:
+    def _replica_ready(self, replica: Replica, msg: SchedulerReady) -> None:
+        if replica.state == "refused":
+            return
+        replica.ready, replica.state, replica.reason, replica.hung = msg, "ready", "", None
+        if self.metrics:
+            self.metrics.observe_ready(msg, replica.id)  # before /health can say 200
+        replica.ready_event.set()
+        if len(self.replicas) > 1:
+            logger.info("replica %s ready (%s)", replica.id, replica.address)
+        self._settled.set()
+
+    def _deliver(self, replica: Replica, rid: str, item: TokenOut | RequestError) -> None:
         pending = self.pending.get(rid)
-        if pending is not None:
+        if pending is not None and pending.replica is replica:
             pending.queue.put_nowait(item)
         elif isinstance(item, TokenOut) and item.finish_reason is None:
-            self._send_nowait(AbortReq(rid))  # nobody waits for it (failed in a restart)
+            self._send_nowait(replica, AbortReq(rid))  # nobody waits for it here
+
+    def replica_starting(self, replica: Replica) -> None:
+        """Its processes were (re)started; it serves again once it reports ready."""
+        replica.state, replica.ready_event = "starting", asyncio.Event()
+        replica.hung, replica.last_heard = None, time.monotonic()
+
+    def replica_down(self, replica: Replica, reason: str) -> None:
+        """A replica died, hung or went away: its requests that produced nothing yet are
+        retried elsewhere (once), the others fail with a 503 naming it."""
+        replica.state, replica.reason, replica.hung = "down", reason, None
+        self.policy.reset(replica)
+        error = unavailable(f"replica {replica.id} ({replica.address}) failed: {reason}"
+                            if len(self.replicas) > 1 else reason)  # fmt: skip
+        for rid in replica.in_flight:
+            pending = self.pending.get(rid)
+            if pending is not None:
+                pending.queue.put_nowait(_Lost(replica, error))
+        replica.in_flight.clear()
+        if not self.replicas.serving() and self.state == "serving":
+            self.down_reason = reason
+            self._settled.clear()
 
     # ------------------------------------------------------------ serving state
 
-    def serving(self) -> None:
-        self.state, self.reason, self.hung = "serving", "", None
-        self.last_heard = time.monotonic()
-        self._settled.set()
+    @property
+    def healthy(self) -> bool:
+        return self.state == "serving" and bool(self.replicas.serving())
 
-    def restarting(self, reason: str) -> None:
-        """A child died or hung: fail what was in flight; new requests wait."""
-        self.state, self.reason, self.hung = "restarting", f"restarting: {reason}", None
-        self.ready_event.clear()
-        self._settled.clear()
-        self.fail_all(reason)
+    @property
+    def unhealthy_reason(self) -> str:
+        if self.state == "serving" and not self.replicas.serving():
+            return f"restarting: {self.down_reason}" if self.down_reason else "no replica serves"
+        return self.reason or self.state
+
+    def serving(self) -> None:
+        self.state, self.reason, self.down_reason = "serving", "", ""
+        if self.replicas.serving():
+            self._settled.set()
 
     def draining(self) -> None:
         self.state, self.reason = "draining", "draining: the server is shutting down"
@@ -172,16 +236,14 @@ class RouterManager:
             pending.queue.put_nowait(unavailable(reason))
 
     async def _wait_serving(self) -> None:
-        if self.state == "restarting":
+        if self.state == "serving" and not self.replicas.serving():
             try:
                 await asyncio.wait_for(self._settled.wait(), RESTART_WAIT)
             except asyncio.TimeoutError:
-                raise unavailable(f"server is {self.reason}; retry later", RETRY_AFTER) from None
+                raise unavailable(
+                    f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER
+                ) from None
         self.check_ready()
-
-    @property
-    def context_len(self) -> int:
-        return self.ready.context_len if self.ready else 0
 
     def check_ready(self) -> None:
         """Raise the 503 a new request gets now; during a restart `generate` waits."""
@@ -189,6 +251,28 @@ class RouterManager:
             raise unavailable(f"server is {self.reason}")
         if self.ready is None:
             raise unavailable("server is starting")
+
+    # ------------------------------------------------------------ requests
+
+    def _route(self, input_ids: list[int], exclude: Replica | None = None) -> Replica | None:
+        candidates = [r for r in self.replicas.serving() if r is not exclude]
+        if not candidates:
+            return None
+        replica, reason = self.policy.choose(candidates, input_ids)
+        if self.metrics:
+            self.metrics.observe_routing(self.policy.name, reason, replica.id)
+        return replica
+
+    async def _submit(self, rid: str, pending: _Pending, req: GenerateReq,
+                      exclude: Replica | None = None) -> None:  # fmt: skip
+        replica = self._route(req.input_ids, exclude)
+        if replica is None:
+            raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
+        pending.replica = replica
+        replica.in_flight.add(rid)
+        replica.routed += 1
+        self.trace("submit", rid)
+        await replica.link.send(encode(req))
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
@@ -206,33 +290,49 @@ class RouterManager:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")
         self.pending[rid] = pending = _Pending()
         finished = False
+        req = GenerateReq(rid, input_ids, sampling)
         try:
-            self.trace("submit", rid)
-            await self.to_scheduler.send(encode(GenerateReq(rid, input_ids, sampling)))
+            await self._submit(rid, pending, req)
             while True:
                 item = await pending.queue.get()
+                if isinstance(item, _Lost):
+                    finished = True
+                    if pending.produced or pending.retried or not self._retry_possible(item):
+                        raise item.error
+                    pending.retried, finished = True, False
+                    logger.warning("retrying %s on another replica: %s", rid, item.error.message)
+                    await self._submit(rid, pending, req, exclude=item.replica)
+                    continue
                 if isinstance(item, RequestError):
                     finished = True
                     raise item
                 finished = item.finish_reason is not None
+                pending.produced = True
                 if self.metrics:
-                    self.metrics.observe_output(item, pending.created)
+                    self.metrics.observe_output(item, pending.created, pending.replica.id)
                 yield item
                 if finished:
                     return
         finally:
             self.pending.pop(rid, None)
+            if pending.replica is not None:
+                pending.replica.in_flight.discard(rid)
             if self.metrics:
                 self.metrics.forget(rid)
-            if not finished:
-                self._send_nowait(AbortReq(rid))
+            if not finished and pending.replica is not None:
+                self._send_nowait(pending.replica, AbortReq(rid))
 
-    def _send_nowait(self, msg) -> None:
+    def _retry_possible(self, lost: _Lost) -> bool:
+        others = [r for r in self.replicas.serving() if r is not lost.replica]
+        return self.state == "serving" and bool(others)
+
+    def _send_nowait(self, replica: Replica, msg) -> None:
         """A message that must not wait: with no scheduler connected (a restart), it is
         dropped, and the fresh scheduler knows nothing of the request anyway."""
-        sent = self.to_scheduler.send(encode(msg), zmq.NOBLOCK)  # a Future, done at once
-        if sent.done() and sent.exception() is not None:  # retrieved: zmq.Again, dropped
+        if not replica.link.send_nowait(encode(msg)):
             logger.debug("dropped %s: the scheduler's queue is full", type(msg).__name__)
 
     def close(self) -> None:
+        for replica in self.replicas:
+            replica.link.close()
         self.ctx.destroy(linger=0)

@@ -4,7 +4,13 @@ The scheduler reports its gauges and cumulative counters in SchedulerStats messa
 (whenever they change, at most once per scheduling step); the router measures latencies
 itself, per request, from the outputs it routes, and its supervisor reports the
 processes. One registry per server, so tests can run several. Every metric is in
-`METRICS` below; labels stay low-cardinality (`finish_reason`, `process`).
+`METRICS` below; labels stay low-cardinality (`finish_reason`, `process`, `replica`,
+`policy`, `reason`).
+
+With several replicas (`--dp-size`), the unlabeled scheduler-side series are the server's
+totals (token usage: the share of all pools), so dashboards and alerts read the same
+whatever N; the `replica_*` series, labeled `replica` (`r0`, `r1`, ...), are each
+replica's own, and `routing_decisions_total{policy,reason}` counts the router's choices.
 """
 
 from __future__ import annotations
@@ -46,6 +52,15 @@ METRICS = {
     "kv_pool_capacity_tokens": "gauge",
     "process_up": "gauge",
     "process_restarts": "counter",
+    "routing_decisions": "counter",
+    "replica_up": "gauge",
+    "replica_restarts": "counter",
+    "replica_requests": "counter",
+    "replica_prompt_tokens": "counter",
+    "replica_cached_tokens": "counter",
+    "replica_num_running_requests": "gauge",
+    "replica_num_queued_requests": "gauge",
+    "replica_token_usage": "gauge",
 }
 PROCESSES = ("router", "scheduler", "worker")
 
@@ -132,44 +147,96 @@ class Metrics:
             ["process"],
             registry=r,
         )
+        self._replica_metrics(r)
         for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)  # export zeros, so rate() works from the start
         for process in PROCESSES:
             self.up.labels(process).set(process == "router")
             if process != "router":
                 self.restarts.labels(process)
-        self._evicted_seen = 0
-        self._retracted_seen = 0
+        self._stats: dict[str, SchedulerStats] = {}  # each replica's last report
+        self._down: set[str] = set()  # replicas being restarted
         self._live: dict[str, _Live] = {}
 
-    def observe_ready(self, ready: SchedulerReady) -> None:
-        """A (re)started scheduler: its counters start from 0, its pool is empty."""
-        self.capacity.set(ready.num_slots)
-        self.observe_stats(SchedulerStats(0, 0, 0.0, ready.num_slots, 0, 0))
-        self._evicted_seen = self._retracted_seen = 0
-        for process in ("scheduler", "worker"):
-            self.up.labels(process).set(1)
+    def _replica_metrics(self, r: CollectorRegistry) -> None:
+        p, label = PREFIX, ["replica"]
+        self.routing = Counter(p + "routing_decisions", "Requests routed to a replica, by "
+                               "policy and why", ["policy", "reason"], registry=r)  # fmt: skip
+        self.replica_up = Gauge(p + "replica_up", "1 while the replica serves", label, registry=r)
+        self.replica_restarts = Counter(
+            p + "replica_restarts", "Restarts of the replica's worker and scheduler", label,
+            registry=r,
+        )  # fmt: skip
+        self.replica_requests = Counter(
+            p + "replica_requests", "Requests routed to the replica (retries included)", label,
+            registry=r,
+        )  # fmt: skip
+        self.replica_prompt = Counter(
+            p + "replica_prompt_tokens", "Prompt tokens the replica served", label, registry=r
+        )
+        self.replica_cached = Counter(
+            p + "replica_cached_tokens", "Prompt tokens from the replica's prefix cache", label,
+            registry=r,
+        )  # fmt: skip
+        self.replica_running = Gauge(
+            p + "replica_num_running_requests", "Running requests", label, registry=r
+        )
+        self.replica_queued = Gauge(
+            p + "replica_num_queued_requests", "Waiting requests", label, registry=r
+        )
+        self.replica_usage = Gauge(
+            p + "replica_token_usage", "Share of the replica's KV pool held by running requests",
+            label, registry=r,
+        )  # fmt: skip
 
-    def observe_death(self, process: str) -> None:
-        """A child died or hung: both children are restarted, nothing runs meanwhile."""
+    def observe_routing(self, policy: str, reason: str, replica: str) -> None:
+        self.routing.labels(policy, reason).inc()
+        self.replica_requests.labels(replica).inc()
+
+    def observe_ready(self, ready: SchedulerReady, replica: str = "r0") -> None:
+        """A (re)started scheduler: its counters start from 0, its pool is empty."""
+        self._stats.pop(replica, None)  # its cumulative counters start again from 0
+        self._down.discard(replica)
+        self.observe_stats(SchedulerStats(0, 0, 0.0, ready.num_slots, 0, 0), replica)
+        self.replica_up.labels(replica).set(1)
+        if not self._down:
+            for process in ("scheduler", "worker"):
+                self.up.labels(process).set(1)
+
+    def observe_death(self, process: str, replica: str = "r0") -> None:
+        """A replica's child died or hung: both are restarted, nothing runs there meanwhile."""
         self.restarts.labels(process).inc()
-        self.running.set(0)
-        self.queued.set(0)
-        self.token_usage.set(0)
+        self.replica_restarts.labels(replica).inc()
+        self.replica_up.labels(replica).set(0)
+        self._down.add(replica)
+        last = self._stats.get(replica)
+        if last is not None:
+            self._stats[replica] = SchedulerStats(0, 0, 0.0, last.capacity, last.evicted_tokens,
+                                                  last.retracted_requests)  # fmt: skip
+        self._set_totals()
         for child in ("scheduler", "worker"):
             self.up.labels(child).set(0)
 
-    def observe_stats(self, s: SchedulerStats) -> None:
-        self.running.set(s.num_running)
-        self.queued.set(s.num_queued)
-        self.token_usage.set(s.token_usage)
-        self.capacity.set(s.capacity)
-        self.evicted_tokens.inc(max(0, s.evicted_tokens - self._evicted_seen))
-        self.retracted.inc(max(0, s.retracted_requests - self._retracted_seen))
-        self._evicted_seen = s.evicted_tokens
-        self._retracted_seen = s.retracted_requests
+    def observe_stats(self, s: SchedulerStats, replica: str = "r0") -> None:
+        seen = self._stats.get(replica)
+        self.evicted_tokens.inc(max(0, s.evicted_tokens - (seen.evicted_tokens if seen else 0)))
+        self.retracted.inc(max(0, s.retracted_requests - (seen.retracted_requests if seen else 0)))
+        self._stats[replica] = s
+        self.replica_running.labels(replica).set(s.num_running)
+        self.replica_queued.labels(replica).set(s.num_queued)
+        self.replica_usage.labels(replica).set(s.token_usage)
+        self._set_totals()
 
-    def observe_output(self, out: TokenOut, created: float) -> None:
+    def _set_totals(self) -> None:
+        stats = self._stats.values()
+        capacity = sum(s.capacity for s in stats)
+        self.running.set(sum(s.num_running for s in stats))
+        self.queued.set(sum(s.num_queued for s in stats))
+        self.capacity.set(capacity)
+        used = sum(s.token_usage * s.capacity for s in stats)
+        self.token_usage.set(used / capacity if capacity else 0.0)
+
+    def observe_output(self, out: TokenOut, created: float, replica: str = "r0") -> None:
         now = time.monotonic()
         live = self._live.get(out.rid)
         if live is None:
@@ -178,6 +245,8 @@ class Metrics:
             self.queue_time.observe(max(0.0, out.queue_time))
             self.prompt_tokens.inc(out.prompt_tokens)
             self.cached_tokens.inc(out.cached_tokens)
+            self.replica_prompt.labels(replica).inc(out.prompt_tokens)
+            self.replica_cached.labels(replica).inc(out.cached_tokens)
         elif out.token_ids:
             gap = (now - live.last) / len(out.token_ids)
             for _ in out.token_ids:

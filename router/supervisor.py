@@ -1,12 +1,14 @@
-"""The router's supervision of its children: the worker and the scheduler.
+"""The router's supervision of its children: each local replica's worker and scheduler.
 
 They are spawned (not forked: MLX and ZMQ state must not be copied) and polled every
 CHECK_INTERVAL. When one dies (any exit status, a signal, the OOM killer) or the
 scheduler's watchdog reports a hung worker step, the requests in flight fail with a 503
 naming the process and its exit status, both children are replaced (the KV pool died with
 the worker, so the trie must start empty too) and serving resumes once the new scheduler
-reports ready. More than --max-restarts restarts within RESTART_WINDOW is a crash loop:
-the supervisor gives up and the server exits 1.
+reports ready. Each replica (`--dp-size`) is supervised on its own: a failure takes only
+that replica down (`RouterManager.replica_down`) while the others serve. More than
+--max-restarts restarts of one replica within RESTART_WINDOW is a crash loop: the
+supervisor gives that replica up, and once every replica is given up the server exits 1.
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ def describe_exit(name: str, code: int | None) -> str:
 
 
 class Children:
-    """The worker and scheduler processes, started again as often as needed."""
+    """One replica's worker and scheduler processes, started again as often as needed.
+    `suffix` (`-r1`) names them apart in titles (`radix-mlx::worker-r1`) when there are
+    several replicas; `stopping` is shared by all of them."""
 
-    def __init__(self, args: ServerArgs, endpoints: Endpoints):
-        self.args, self.endpoints = args, endpoints
+    def __init__(self, args: ServerArgs, endpoints: Endpoints, suffix: str = "", stopping=None):
+        self.args, self.endpoints, self.suffix = args, endpoints, suffix
         self.mp = multiprocessing.get_context("spawn")
-        self.stopping = self.mp.Event()  # set when the router starts to stop (see setup_child)
+        # set when the router starts to stop (see setup_child)
+        self.stopping = stopping if stopping is not None else self.mp.Event()
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
 
     def start(self) -> None:
@@ -60,7 +65,9 @@ class Children:
         targets = {"worker": run_worker, "scheduler": run_scheduler}
         self.procs = {
             name: self.mp.Process(
-                target=target, args=(self.args, self.endpoints, self.stopping), name=name
+                target=target,
+                args=(self.args, self.endpoints, self.stopping),
+                name=name + self.suffix,
             )
             for name, target in targets.items()
         }
@@ -101,10 +108,13 @@ class Children:
 
 
 class Supervisor:
-    def __init__(self, children: Children, manager, metrics, max_restarts: int):
-        self.children, self.manager, self.metrics = children, manager, metrics
-        self.max_restarts = max_restarts
+    """Keeps one replica's children serving."""
+
+    def __init__(self, children: Children, replica, manager, metrics, max_restarts: int):
+        self.children, self.replica, self.manager = children, replica, manager
+        self.metrics, self.max_restarts = metrics, max_restarts
         self.restarts: deque[float] = deque()
+        self.name = f"replica {replica.id}: " if len(manager.replicas) > 1 else ""
 
     async def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> tuple[str, str] | None:
         """None once the scheduler reported ready, else (process, why not)."""
@@ -112,9 +122,9 @@ class Supervisor:
         deadline = started + timeout
         while time.monotonic() < deadline:
             try:
-                await asyncio.wait_for(self.manager.ready_event.wait(), CHECK_INTERVAL)
-                logger.info("worker and scheduler ready %.2f s after their start",
-                            time.monotonic() - started)  # fmt: skip
+                await asyncio.wait_for(self.replica.ready_event.wait(), CHECK_INTERVAL)
+                logger.info("%sworker and scheduler ready %.2f s after their start",
+                            self.name, time.monotonic() - started)  # fmt: skip
                 return None
             except asyncio.TimeoutError:
                 dead = self.children.dead()
@@ -123,55 +133,93 @@ class Supervisor:
         return "worker", f"start-up timed out after {timeout:.0f} s"
 
     async def watch(self) -> str:
-        """Keep the children serving; returns the line to exit with when it gives up."""
+        """Keep the children serving; returns the line to exit with when it gives up
+        ("" when a failure came during a drain, which ends the server anyway)."""
         while True:
             await asyncio.sleep(CHECK_INTERVAL)
             failure = self._failure()
             if failure is None:
                 continue
             if self.manager.state in ("draining", "stopped"):
-                self.manager.fail_all(failure[1])  # the drain ends the server
+                self.manager.replica_down(self.replica, failure[1])  # its requests fail
                 return ""
             line = await self._restart(*failure)
             if line:
                 return line
 
     def _failure(self) -> tuple[str, str] | None:
-        hung = self.manager.hung
+        hung = self.replica.hung
         if hung is not None:
             self.children.kill("worker")
             return "worker", (
                 f"worker step {hung.step} did not complete within "
                 f"{self.children.args.watchdog_timeout:g} s (--watchdog-timeout); killed it"
             )
-        silence = time.monotonic() - self.manager.last_heard
-        if self.manager.state == "serving" and silence > SCHEDULER_SILENCE:
+        silence = time.monotonic() - self.replica.last_heard
+        if self.replica.state == "ready" and silence > SCHEDULER_SILENCE:
             self.children.kill("scheduler")
             return "scheduler", f"scheduler sent nothing for {silence:.0f} s; killed it"
         return self.children.dead()
 
     async def _restart(self, process: str, reason: str) -> str:
         """Replace both children until they report ready; a crash loop returns the line
-        to exit with."""
+        to give up with."""
         while True:
-            self.metrics.observe_death(process)
-            self.manager.restarting(reason)
+            self.metrics.observe_death(process, self.replica.id)
+            self.manager.replica_down(self.replica, reason)
             now = time.monotonic()
             while self.restarts and now - self.restarts[0] > RESTART_WINDOW:
                 self.restarts.popleft()
             if len(self.restarts) >= self.max_restarts:
-                self.manager.stopped(reason)
                 return (
-                    f"giving up: {reason}, and {len(self.restarts)} restarts within "
+                    f"giving up: {self.name}{reason}, and {len(self.restarts)} restarts within "
                     f"{RESTART_WINDOW:.0f} s reached --max-restarts {self.max_restarts}"
                 )
             self.restarts.append(now)
-            logger.error("%s; restarting the worker and the scheduler", reason)
+            logger.error("%s%s; restarting the worker and the scheduler", self.name, reason)
             self.children.kill_all()
+            self.manager.replica_starting(self.replica)
             self.children.start()
             failure = await self.wait_ready()
             if failure is None:
                 self.manager.serving()
-                logger.info("serving again, %.1f s after the failure", time.monotonic() - now)
+                logger.info("%sserving again, %.1f s after the failure", self.name,
+                            time.monotonic() - now)  # fmt: skip
                 return ""
             process, reason = failure
+
+
+class Supervision:
+    """Every replica's supervisor: the server goes on while one replica is not given up."""
+
+    def __init__(self, supervisors: list[Supervisor]):
+        self.supervisors = supervisors
+
+    async def wait_ready(self) -> tuple[str, str] | None:
+        for sup in self.supervisors:
+            failure = await sup.wait_ready()
+            if failure is not None:
+                return failure
+        return None
+
+    async def watch(self) -> str:
+        """The give-up line once every replica is given up ("" after a failure during a
+        drain)."""
+        tasks = {asyncio.create_task(s.watch()): s for s in self.supervisors}
+        line = ""
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    sup = tasks.pop(task)
+                    line = task.result()
+                    if not line:
+                        return ""
+                    sup.replica.reason = line
+                    if tasks:
+                        logger.error("%s; the other replicas go on", line)
+            sup.manager.stopped(line)
+            return line
+        finally:
+            for task in tasks:
+                task.cancel()

@@ -696,7 +696,9 @@ def test_tokenize_and_detokenize_as_the_endpoints_do(server, tokenizer):
 
 
 def test_health_and_models(server):
-    assert httpx.get(server.url + "/health").text == "ok"
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok"
+    assert [(r["id"], r["state"]) for r in health["replicas"]] == [("r0", "ready")]
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list"
     (card,) = models["data"]

@@ -58,7 +58,8 @@ def _make_pools(
     """The KV pool (--max-total-tokens, or the backend's budget) and, for a model with
     recurrent layers, the state pool, whose share is taken from the budget first."""
     budget = None if args.max_total_tokens is not None else backend.memory_budget()
-    fraction = args.mem_fraction_static or backend.mem_fraction
+    # each of --dp-size replicas gets its share (the later ones take the first one's size)
+    fraction = (args.mem_fraction_static or backend.mem_fraction) / args.dp_size
     states = None
     if state_layout is not None:
         share = None if budget is None else int(budget * fraction)
