@@ -40,6 +40,12 @@ class ServerArgs:
         "share of free memory the auto-sized KV pool may take "
         "(default: the device backend's, 0.8 on a GPU (Metal, CUDA), 0.5 on the CPU)",
     )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "how the KV pool stores keys and values: auto (the model's dtype), bf16, fp16, or "
+        "int8/int4 (mlx-lm's quantized KV cache, groups of 64 along the head dim)",
+        choices=["auto", "bf16", "fp16", "int8", "int4"],
+    )
     max_running_requests: int = flag(64, "decode batch limit")
     max_queued_requests: int = flag(4096, "requests in flight beyond which new ones get 503")
     chunked_prefill_size: int = flag(2048, "most prompt tokens computed in one prefill step")

@@ -84,8 +84,9 @@ class Harness:
     """
 
     def __init__(
-        self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True
-    ):
+        self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True,
+        kv_cache_dtype: str = "auto",
+    ):  # fmt: skip
         from worker_mlx.kv_pool import MlxKVPool
         from worker_mlx.model_probe import probe_kv_layout
         from worker_mlx.model_runner import ModelRunner
@@ -94,7 +95,8 @@ class Harness:
         self.path = path
         self.model = model
         self.vocab = vocab_size(path)
-        self.pool = MlxKVPool(probe_kv_layout(model), num_slots)
+        layout = dataclasses.replace(probe_kv_layout(model), kv_cache_dtype=kv_cache_dtype)
+        self.pool = MlxKVPool(layout, num_slots)
         self.runner = ModelRunner(
             model, self.pool, self.vocab, seed=seed, compile_decode=compile_decode
         )

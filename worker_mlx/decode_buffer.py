@@ -12,6 +12,11 @@ not a rebuild of every row from the pool.
 
 A model's recurrent layers keep one state per row here, not per column: a step replaces
 it, `flush` writes it to the row's working state slot with the columns.
+
+The buffers hold K/V decoded, as the pool hands them back (`kv_codec`), so a step attends
+floats. Over a quantized pool each layer also keeps the stored parts of every column
+(`parts`), gathered with the rows and written by each step: the flush writes those, as
+quantizing decoded values again would not give back the same codes.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class DecodeBuffer:
         self.left_pad = [T - n for n in lens]
         self.idx = T  # next column to write
         self.flushed = T  # columns before this are already in the pool
-        self.keys, self.values = self._gather(slots, T, cap)
+        self.keys, self.values, self.parts = self._gather(slots, T, cap)
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
 
     # ------------------------------------------------------------ rows
@@ -120,8 +125,8 @@ class DecodeBuffer:
         """One decode step of every row (tokens (B, 1)); writes column `idx`; the logits."""
         self._make_room()
         self._state_before = self.state
-        logits, self.keys, self.values, self.state = step(
-            tokens, self.idx, self._left_pad_arr, self.keys, self.values, self.state
+        logits, self.keys, self.values, self.state, self.parts = step(
+            tokens, self.idx, self._left_pad_arr, self.keys, self.values, self.state, self.parts
         )
         self.idx += 1
         return logits
@@ -148,13 +153,12 @@ class DecodeBuffer:
                 [s for i in rows for s in slots_of(self.rids[i])[-n:]], dtype=mx.int32
             )
             for layer in range(len(self.keys)):
-                # slice, then pick rows: `x[row_idx, :, a:b]` gathers whole rows first
-                k = self.keys[layer][:, :, self.flushed : self.idx, :][row_idx]
-                v = self.values[layer][:, :, self.flushed : self.idx, :][row_idx]
-                H, D = k.shape[1], k.shape[3]
-                k = k.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, D)
-                v = v.transpose(0, 2, 1, 3).reshape(len(rows) * n, H, v.shape[3])
-                self.pool.write(layer, flat_slots, k, v)
+                if self.parts:
+                    parts = [self._unflushed(p, row_idx) for p in self.parts[layer]]
+                    self.pool.write_parts(layer, flat_slots, parts)
+                    continue
+                k = self._unflushed(self.keys[layer], row_idx)
+                self.pool.write(layer, flat_slots, k, self._unflushed(self.values[layer], row_idx))
         if n and rows and self.states is not None:
             row_idx = mx.array(rows, dtype=mx.int32)
             homes = mx.array([self.state_home[i] for i in rows], dtype=mx.int32)
@@ -162,8 +166,15 @@ class DecodeBuffer:
                 self.states.write(layer, homes, [a[row_idx] for a in arrays])
         self.flushed = self.idx
 
+    def _unflushed(self, buffer: mx.array, row_idx: mx.array) -> mx.array:
+        """`buffer`'s unflushed columns of rows `row_idx` as (rows x columns, H, width)."""
+        # slice, then pick rows: `x[row_idx, :, a:b]` gathers whole rows first
+        x = buffer[:, :, self.flushed : self.idx, :][row_idx]
+        return x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+
     def arrays(self) -> list[mx.array]:
-        return self.keys + self.values + [a for layer in self.state for a in layer]
+        parts = [a for layer in self.parts for a in layer]
+        return self.keys + self.values + parts + [a for layer in self.state for a in layer]
 
     def _gather_states(self, slots: list[int]) -> list[list[mx.array]]:
         if self.states is None:
@@ -192,21 +203,29 @@ class DecodeBuffer:
         row scatter, which copied the whole buffer."""
         cap = self.keys[0].shape[2]
         for row, row_slots in zip(rows, slots):
-            keys, values = self._gather([row_slots], self.idx, cap)
+            keys, values, parts = self._gather([row_slots], self.idx, cap)
             at = mx.array([row], dtype=mx.int32)
             for layer in range(len(self.keys)):
                 self.keys[layer] = mx.slice_update(self.keys[layer], keys[layer], at, (0,))
                 self.values[layer] = mx.slice_update(self.values[layer], values[layer], at, (0,))
+                for i, part in enumerate(parts[layer] if parts else ()):
+                    self.parts[layer][i] = mx.slice_update(self.parts[layer][i], part, at, (0,))
 
     def _gather(
         self, slots: list[list[int]], T: int, cap: int
-    ) -> tuple[list[mx.array], list[mx.array]]:
-        """Per layer, (len(slots), H, cap, D) rows of pool KV ending just before column T."""
+    ) -> tuple[list[mx.array], list[mx.array], list[list[mx.array]]]:
+        """Per layer, (len(slots), H, cap, D) rows of pool KV ending just before column T,
+        and over a quantized pool the stored parts of the same columns (else [])."""
         idx = self.pool.head_index(
             mx.array([[0] * (T - len(s)) + s + [0] * (cap - T) for s in slots])
         )
-        pairs = [self.pool.gather_heads(layer, idx) for layer in range(self.pool.layout.num_layers)]
-        return [k for k, _ in pairs], [v for _, v in pairs]
+        layers = range(self.pool.layout.num_layers)
+        if not self.pool.codec.quantized:
+            pairs = [self.pool.gather_heads(layer, idx) for layer in layers]
+            return [k for k, _ in pairs], [v for _, v in pairs], []
+        parts = [self.pool.gather_parts(layer, idx) for layer in layers]
+        pairs = [self.pool.decode(p) for p in parts]
+        return [k for k, _ in pairs], [v for _, v in pairs], parts
 
     def _compact(self) -> None:
         """Shift out the columns that are left padding in every live row. Joining requests
@@ -236,6 +255,8 @@ class DecodeBuffer:
         for i in range(len(self.keys)):
             self.keys[i] = _shifted(self.keys[i], start, width, cap)
             self.values[i] = _shifted(self.values[i], start, width, cap)
+            for p, part in enumerate(self.parts[i] if self.parts else ()):
+                self.parts[i][p] = _shifted(part, start, width, cap)
 
 
 def _shifted(buffer: mx.array, start: int, width: int, cap: int) -> mx.array:

@@ -40,9 +40,10 @@ def attention_width(column: int, capacity: int) -> tuple[int, int]:
 
 
 class DecodeStep:
-    """step(tokens (B, 1), column, left_pad (B,), keys, values, states) -> (logits (B, V),
-    keys, values, states): the per-layer buffers with column `column` written (in place:
-    MLX donates them), and the recurrent layers' states (B rows each) after the step."""
+    """step(tokens (B, 1), column, left_pad (B,), keys, values, states, parts) -> (logits
+    (B, V), keys, values, states, parts): the per-layer buffers with column `column`
+    written (in place: MLX donates them), the recurrent layers' states (B rows each) after
+    the step, and for a quantized pool the per-layer stored parts with the column written."""
 
     def __init__(
         self, model: nn.Module, compile: bool, layout: KVLayout, max_traces: int = MAX_TRACES
@@ -58,16 +59,22 @@ class DecodeStep:
 
     def _function(self):
         model, windows, layout = self.model, self.windows, self.layout
+        codec = layout.codec
 
-        def step(tokens, column, left_pad, keys, values, states, width, lowest):
+        def step(tokens, column, left_pad, keys, values, states, parts, width, lowest):
             columns = StepColumns(column, left_pad, width, lowest)
             offset = column - left_pad  # each row's RoPE position
-            kv = [StepCache(offset, columns, k, v, w) for k, v, w in zip(keys, values, windows)]
+            layer_parts = parts or [()] * len(keys)
+            kv = [
+                StepCache(offset, columns, k, v, w, codec, p)
+                for k, v, w, p in zip(keys, values, windows, layer_parts)
+            ]
             recurrent = [StateCache(len(s), s, None) for s in states]
             caches = layout.in_model_order(kv, recurrent) if recurrent else kv
             logits = model(tokens, cache=caches)[:, -1, :]
             new_states = [c.state for c in recurrent]
-            return logits, [c.keys for c in kv], [c.values for c in kv], new_states
+            new_parts = [c.parts for c in kv] if parts else []
+            return logits, [c.keys for c in kv], [c.values for c in kv], new_states, new_parts
 
         return step
 
@@ -84,7 +91,10 @@ class DecodeStep:
         keys: list[mx.array],
         values: list[mx.array],
         states: list[list[mx.array]] = (),
-    ) -> tuple[mx.array, list[mx.array], list[mx.array], list[list[mx.array]]]:
+        parts: list[list[mx.array]] = (),
+    ) -> tuple[
+        mx.array, list[mx.array], list[mx.array], list[list[mx.array]], list[list[mx.array]]
+    ]:
         capacity = keys[0].shape[2]
         if self.compiles:
             width, lowest = attention_width(column, capacity)
@@ -96,4 +106,5 @@ class DecodeStep:
         else:
             width, lowest = column + 1, column
         at = mx.array([column], dtype=mx.int32)
-        return self._step(tokens, at, left_pad, keys, values, list(states), width, lowest)
+        args = (keys, values, list(states), [list(p) for p in parts])
+        return self._step(tokens, at, left_pad, *args, width, lowest)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from worker_mlx.kv_codec import FloatCodec, QuantizedCodec, decode_kv, encode_kv, make_codec
+
 logger = logging.getLogger(__name__)
 
 # Past a million cached tokens a single machine gains little and the zero-filled pool
@@ -31,15 +33,28 @@ class KVLayout:
     # where the model's recurrent layers sit in its list of caches (mlx-lm's make_cache
     # order); the other positions are the KV layers, in order
     recurrent: tuple[int, ...] = ()
+    # how the pool stores K/V (--kv-cache-dtype); `dtype` stays the model's, which
+    # attention computes in
+    kv_cache_dtype: str = "auto"
 
     @property
     def value_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
+    def codec(self) -> FloatCodec | QuantizedCodec:
+        return make_codec(self.kv_cache_dtype, self.dtype)
+
+    @property
     def bytes_per_slot(self) -> int:
-        widths = self.head_dim + self.value_dim
-        return self.num_layers * self.n_kv_heads * widths * self.dtype.size
+        """layers x KV heads x (the bytes of one head's key + its value, as stored): for a
+        float pool width x dtype size; quantized, width x bits / 8 plus a scale and a bias
+        (the model's dtype) per group of 64."""
+        codec = self.codec
+        per_head = sum(
+            n * dtype.size for w in (self.head_dim, self.value_dim) for n, dtype in codec.widths(w)
+        )
+        return self.num_layers * self.n_kv_heads * per_head
 
     def in_model_order(self, kv: list, states: list) -> list:
         """One list of caches for the model: `kv` (one per KV layer) and `states` (one per
@@ -51,6 +66,8 @@ class KVLayout:
 
 class MlxKVPool:
     """Per layer, K and V of shape (num_slots + 1, n_kv_heads, width); row 0 is padding.
+    Stored as the layout's codec says (`kv_codec`: the model's dtype, a cast, or mlx-lm's
+    quantized parts); read back decoded, in the model's dtype.
 
     Writes are scatters into the arrays MLX donates in place, so a write costs the tokens
     written, not the pool size. Readers gather by slot id inside their compute graph.
@@ -58,21 +75,42 @@ class MlxKVPool:
 
     def __init__(self, layout: KVLayout, num_slots: int):
         self.layout = layout
+        self.codec = layout.codec
         self.num_slots = num_slots
-        k_shape = (num_slots + 1, layout.n_kv_heads, layout.head_dim)
-        v_shape = (num_slots + 1, layout.n_kv_heads, layout.value_dim)
-        self.k = [mx.zeros(k_shape, layout.dtype) for _ in range(layout.num_layers)]
-        self.v = [mx.zeros(v_shape, layout.dtype) for _ in range(layout.num_layers)]
-        mx.eval(self.k, self.v)
+        H = layout.n_kv_heads
+        # per layer, the parts of K then the parts of V
+        self.parts = [
+            [
+                mx.zeros((num_slots + 1, H, n), dtype)
+                for w in (layout.head_dim, layout.value_dim)
+                for n, dtype in self.codec.widths(w)
+            ]
+            for _ in range(layout.num_layers)
+        ]
+        mx.eval(self.parts)
+
+    def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        """The parts the pool stores for K/V of any leading shape."""
+        return encode_kv(self.codec, keys, values)
+
+    def decode(self, parts: list[mx.array]) -> tuple[mx.array, mx.array]:
+        return decode_kv(self.codec, parts)
+
+    def round_trip(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """K/V as a write then a read would give them back."""
+        return self.codec.round_trip(keys), self.codec.round_trip(values)
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store (n, H, D) keys/values at `slots` (n,)."""
-        self.k[layer][slots] = keys
-        self.v[layer][slots] = values
+        self.write_parts(layer, slots, self.encode(keys, values))
+
+    def write_parts(self, layer: int, slots: mx.array, parts: list[mx.array]) -> None:
+        for stored, part in zip(self.parts[layer], parts):
+            stored[slots] = part
 
     def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """K and V of `slots` (any shape S) as arrays of shape S + (H, D)."""
-        return self.k[layer][slots], self.v[layer][slots]
+        return self.decode([p[slots] for p in self.parts[layer]])
 
     def head_index(self, slots: mx.array) -> mx.array:
         """Indices into the (slots x heads, D) view of a layer for `slots` (B, S), heads
@@ -83,13 +121,16 @@ class MlxKVPool:
         heads = mx.arange(H, dtype=dtype)[None, :, None]
         return slots.astype(dtype)[:, None, :] * H + heads
 
+    def gather_parts(self, layer: int, head_idx: mx.array) -> list[mx.array]:
+        """The stored parts as (B, H, S, width) for indices from `head_index`."""
+        return [p.reshape(-1, p.shape[-1])[head_idx] for p in self.parts[layer]]
+
     def gather_heads(self, layer: int, head_idx: mx.array) -> tuple[mx.array, mx.array]:
         """K and V as (B, H, S, D) for indices from `head_index`."""
-        k, v = self.k[layer], self.v[layer]
-        return k.reshape(-1, k.shape[-1])[head_idx], v.reshape(-1, v.shape[-1])[head_idx]
+        return self.decode(self.gather_parts(layer, head_idx))
 
     def arrays(self) -> list[mx.array]:
-        return self.k + self.v
+        return [p for layer in self.parts for p in layer]
 
 
 def pool_size(layout: KVLayout, mem_fraction: float, budget: int) -> int:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from worker_mlx.kv_codec import decode_kv, encode_kv
+
 if TYPE_CHECKING:
     from worker_mlx.prefill import ExtendPlan
 
@@ -80,8 +82,8 @@ class ExtendCache:
         flat_k = keys.transpose(0, 2, 1, 3).reshape(B * L, H, D)
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
         pool.write(self.layer, plan.write_idx, flat_k, flat_v)
-        if plan.read_idx is None:
-            return keys, values
+        if plan.read_idx is None:  # attend the values as stored, as a read would give them
+            return pool.round_trip(keys, values)
         return pool.gather_heads(self.layer, plan.read_idx)  # (B, H, P+L, D)
 
 
@@ -113,20 +115,33 @@ class StepColumns:
 class StepCache:
     """One layer of a decode step: column `columns.column` of left-padded (B, H, cap, D)
     buffers is written, and attention reads the columns `columns` says. Functional (the
-    buffers are replaced, never assigned into), so `mx.compile` can trace it."""
+    buffers are replaced, never assigned into), so `mx.compile` can trace it.
+
+    The new token's K/V are written as the pool's `codec` hands them back, so it attends
+    itself as every later step will (mlx-lm's QuantizedKVCache quantizes each token on
+    update too); for a quantized pool the stored `parts` get the column as well, for the
+    flush to write exactly those (a second quantization of decoded values is not exact)."""
 
     def __init__(
         self, offset: mx.array, columns: StepColumns, keys: mx.array, values: mx.array,
-        window: int | None,
+        window: int | None, codec=None, parts: list[mx.array] = (),
     ):  # fmt: skip
         self.offset, self.columns, self.window = offset, columns, window
         self.keys, self.values = keys, values
+        self.codec, self.parts = codec, list(parts)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return self.columns.mask(window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         c = self.columns
+        if self.parts:
+            new = encode_kv(self.codec, keys, values)
+            at = c.column
+            self.parts = [mx.slice_update(p, n, at, axes=(2,)) for p, n in zip(self.parts, new)]
+            keys, values = decode_kv(self.codec, new)
+        elif self.codec is not None:
+            keys, values = self.codec.round_trip(keys), self.codec.round_trip(values)
         self.keys = mx.slice_update(self.keys, keys, c.column, axes=(2,))
         self.values = mx.slice_update(self.values, values, c.column, axes=(2,))
         start = c.start(self.window)

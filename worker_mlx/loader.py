@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import mlx.core as mx
@@ -10,6 +11,7 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams,
 from common.server_args import ServerArgs
 from worker_mlx.backends import select
 from worker_mlx.grammar import Grammars
+from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
 from worker_mlx.model_probe import UnsupportedModel, probe_layout
 from worker_mlx.model_runner import ModelRunner
@@ -22,6 +24,7 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
     model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path)
+    layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
@@ -77,10 +80,26 @@ def _make_pools(
         num_slots = pool_size(layout, fraction, budget - int(taken / fraction))
         sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
     logger.info(
-        "KV pool: %d tokens x %d bytes = %.1f MiB (%s)",
-        num_slots, layout.bytes_per_slot, num_slots * layout.bytes_per_slot / 2**20, sizing,
+        "KV pool: %d tokens x %d bytes = %.1f MiB, stored as %s (%s)",
+        num_slots, layout.bytes_per_slot, num_slots * layout.bytes_per_slot / 2**20,
+        layout.codec.describe(), sizing,
     )  # fmt: skip
     return MlxKVPool(layout, num_slots), states
+
+
+def _stored_as(path: str, layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
+    """The layout with the pool's storage (--kv-cache-dtype); a quantized pool needs every
+    key and value width to split into groups of 64, as mlx-lm's quantized cache does."""
+    if kv_cache_dtype in QUANTIZED_BITS:
+        widths = {layout.head_dim, layout.value_dim}
+        if any(w % GROUP_SIZE for w in widths):
+            shown = "/".join(str(w) for w in sorted(widths))
+            _refuse(
+                path,
+                f"--kv-cache-dtype {kv_cache_dtype} quantizes groups of {GROUP_SIZE} along "
+                f"the head dim, and this model's key/value widths are {shown}",
+            )
+    return dataclasses.replace(layout, kv_cache_dtype=kv_cache_dtype)
 
 
 def _log_model(path: str, model_type: str, layout: KVLayout, vocab: int, context: int) -> None:
