@@ -246,6 +246,11 @@ class DecodeBatch:
     # The scheduler expects to decode the same requests next: the worker may compute that
     # step while the scheduler handles this one (it is dropped if the next message differs).
     lookahead: bool = False
+    # Speculative decoding: per row, draft tokens to verify after its last token and the
+    # fresh slots for their KV (one each); [] when no row drafts. The reply's `accepted`
+    # says how many of each row's drafts were kept.
+    drafts: list[list[int]] = field(default_factory=list)
+    draft_cache_loc: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -267,6 +272,9 @@ class StepResult:
     # Present when a sampled row asked for its prompt's logprobs: per row, None or as
     # TokenOut.prompt_logprobs.
     prompt_logprobs: list[Any] | None = None
+    # A decode step with drafts: per row, how many of its drafts were accepted; the row's
+    # new tokens are those drafts followed by its next_token_ids entry.
+    accepted: list[int] | None = None
 
 
 @dataclass
@@ -283,6 +291,8 @@ class WorkerReady:
     blas: str
     # state slots for recurrent layers (1..num_state_slots; 0: the model has none)
     num_state_slots: int = 0
+    # whether decode steps may carry drafts (no sliding windows, no recurrent layers)
+    verifies_drafts: bool = False
 
 
 @dataclass

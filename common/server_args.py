@@ -114,6 +114,15 @@ class ServerArgs:
         1.0001, "cache_aware: ... and the busiest has more than this times the idlest's"
     )
     debug_invariants: bool = flag(False, "check KV bookkeeping every step")
+    speculative_algorithm: str = flag(
+        "none",
+        "speculative decoding: ngram drafts tokens from each request's own prompt and output "
+        "(prompt lookup), verified in one batched step",
+        choices=["none", "ngram"],
+    )
+    speculative_num_draft_tokens: int = flag(
+        4, "most draft tokens a request verifies per decode step (with --speculative-algorithm)"
+    )
     seed: int = flag(0, "seed of the worker's sampling keys for requests without a seed")
     trace_dir: str | None = flag(
         None,
@@ -133,6 +142,8 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise ValueError("--speculative-num-draft-tokens must be in [1, 16]")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:

@@ -202,8 +202,13 @@ def build_tiny_model(
     init_scale: float = 1.0,
     seed: int = 0,
     bos: bool = False,
+    loop: bool = False,
 ) -> Path:
     """Write a complete model directory (weights, config, tokenizer) to ``out_dir``.
+
+    With ``loop`` the attention layers' output projections are zero: the next token then
+    depends on the last one only, so greedy output soon cycles (a model whose outputs
+    repeat themselves, for speculative decoding; each step computes what it always does).
 
     ``vocab_size`` is the BPE training target; ``config.json`` records the tokenizer's
     actual size so embeddings and tokenizer always agree.  ``layers`` is raised to the
@@ -239,6 +244,10 @@ def build_tiny_model(
     )
     model = make_model(config, seed, init_scale, family.norm_offset)
     weights = dict(tree_flatten(model.parameters()))
+    if loop:
+        weights = {
+            k: mx.zeros_like(v) if k.endswith("o_proj.weight") else v for k, v in weights.items()
+        }
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight", None)  # classes that always make one (Gemma) then tie
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -258,6 +267,7 @@ def ensure_tiny_model(
     arch: str = "qwen3",
     seed: int = 0,
     bos: bool = False,
+    loop: bool = False,
 ) -> Path:
     """Return a cached model dir, building it once; safe against concurrent builders.
 
@@ -267,13 +277,14 @@ def ensure_tiny_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"{preset}-{arch}{'-bos' if bos else ''}-s{seed}-v{BUILDER_VERSION}"
+    variant = ("-bos" if bos else "") + ("-loop" if loop else "")
+    final = cache / f"{preset}-{arch}{variant}-s{seed}-v{BUILDER_VERSION}"
     if final.is_dir():
         return final
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
-        build_tiny_model(tmp, arch=arch, seed=seed, bos=bos, **PRESETS[preset])
+        build_tiny_model(tmp, arch=arch, seed=seed, bos=bos, loop=loop, **PRESETS[preset])
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
             os.rename(tmp, final)
@@ -310,6 +321,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--init-scale", type=float, default=1.0, help="weight std multiplier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
+    p.add_argument("--loop", action="store_true", help="zero attention outputs: greedy cycles")
     return p.parse_args(argv)
 
 
@@ -330,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         init_scale=args.init_scale,
         seed=args.seed,
         bos=args.bos,
+        loop=args.loop,
         **dims,
     )
     print(f"wrote {args.preset} {args.arch} model to {out}")

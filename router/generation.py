@@ -6,6 +6,7 @@ Shared by the HTTP API and the SDK front door so both behave the same.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -112,27 +113,54 @@ async def generate_text(
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
     async with contextlib.aclosing(manager.generate(input_ids, sampling, rid)) as outs:
-        async for out in outs:
-            text = detok.add(out.token_ids)
-            finish = out.finish_reason
-            if finish is not None:
-                text += detok.flush()
-            text, hit = matcher.feed(text, final=finish is not None)
-            if hit:
-                finish = "stop"
-            yield Output(
-                text,
-                out.token_ids,
-                finish,
-                out.prompt_tokens,
-                out.completion_tokens,
-                out.cached_tokens,
-                out.logprobs,
-                out.top_logprobs,
-                out.prompt_logprobs,
-            )
-            if hit:
-                return  # leaving the generator aborts the request
+        async for chunk in outs:
+            for out in _per_token(chunk) if matcher.stops else [chunk]:
+                text, finish, hit = _text_of(out, detok, matcher)
+                yield Output(
+                    text,
+                    out.token_ids,
+                    finish,
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    out.cached_tokens,
+                    out.logprobs,
+                    out.top_logprobs,
+                    out.prompt_logprobs,
+                )
+                if hit:
+                    return  # leaving the generator aborts the request
+
+
+def _text_of(out, detok: IncrementalDetokenizer, matcher: StopMatcher) -> tuple[str, str, bool]:
+    """(new text, finish reason, whether a stop string ended it) of one output."""
+    text = detok.add(out.token_ids)
+    finish = out.finish_reason
+    if finish is not None:
+        text += detok.flush()
+    text, hit = matcher.feed(text, final=finish is not None)
+    return text, "stop" if hit else finish, hit
+
+
+def _per_token(chunk) -> list:
+    """A chunk of several tokens (speculative decoding accepts runs of them) as one output
+    per token, so a stop string ends the output at the token that completes it, with the
+    usage counted to there, as when tokens come one by one."""
+    n = len(chunk.token_ids)
+    if n <= 1:
+        return [chunk]
+    with_lp = chunk.logprobs is not None and len(chunk.logprobs) == n
+    return [
+        dataclasses.replace(
+            chunk,
+            token_ids=[tok],
+            finish_reason=chunk.finish_reason if j == n - 1 else None,
+            completion_tokens=chunk.completion_tokens - (n - 1 - j),
+            logprobs=chunk.logprobs[j : j + 1] if with_lp else None,
+            top_logprobs=chunk.top_logprobs[j : j + 1] if with_lp else None,
+            prompt_logprobs=chunk.prompt_logprobs if j == 0 else None,
+        )
+        for j, tok in enumerate(chunk.token_ids)
+    ]
 
 
 class StopMatcher:

@@ -200,6 +200,13 @@ class KVCacheManager:
         self.req_to_token.append(req.rid, [slot])
         req.num_computed += 1
 
+    def keep_draft_slots(self, req: Req, kept: list[int], rejected: list[int]) -> None:
+        """After a verify step: the slots of the drafts `req` kept hold its KV now, the
+        rest go back to the allocator (the trie only ever holds accepted tokens)."""
+        self.req_to_token.append(req.rid, kept)
+        req.num_computed += len(kept)
+        self.allocator.free(rejected)
+
     def release(self, req: Req, keep: bool) -> int:
         """Return `req`'s slots: into the trie when `keep` (finished, retracted), else freed.
 

@@ -29,6 +29,7 @@ from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
+from scheduler.speculation import NgramSpeculation
 
 logger = logging.getLogger("scheduler")
 
@@ -61,7 +62,21 @@ class Scheduler:
         self.retracted = 0
         self.last_was_prefill = False
         self.decode_steps = 0
-        self._decode_log = (time.monotonic(), 0)
+        self.decode_tokens = 0  # tokens decode steps produced (more than rows with drafts)
+        self.decode_rows = 0
+        self._decode_log = (time.monotonic(), 0, 0)
+        self.spec = self._speculation(args, worker)
+        self.drafts: list[list[int]] = []  # the drafts of the decode step in flight
+        self.draft_locs: list[list[int]] = []
+
+    @staticmethod
+    def _speculation(args: ServerArgs, worker: WorkerReady) -> NgramSpeculation | None:
+        if args.speculative_algorithm != "ngram":
+            return None
+        if not worker.verifies_drafts:
+            logger.warning("this model cannot verify drafts: decoding without speculation")
+            return None
+        return NgramSpeculation(args.speculative_num_draft_tokens)
 
     # ------------------------------------------------------------ inputs
 
@@ -171,18 +186,40 @@ class Scheduler:
             raise RuntimeError("no KV slot for a lone running request")  # rejected at entry
         for req, loc in zip(self.running, locs):
             self.kv.append_decode_slot(req, loc)
+        drafts, draft_locs = self._draft()
         self.in_flight = list(self.running)
         self.step += 1
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
         lookahead = not (
-            self.args.disable_overlap_schedule or self.waiting or self.chunked
+            self.args.disable_overlap_schedule or self.waiting or self.chunked or drafts
         ) and all(
             r.remaining_new_tokens >= 2 for r in self.running
         )  # nothing to prefill next and nobody reaches max_new_tokens at this step
+        # (a step with drafts has a variable outcome: nothing can be computed ahead, and
+        # rows that may draft next would throw such a step away)
+        lookahead = lookahead and not (self.spec and self.spec.active(self.running))
         rids = [r.rid for r in self.running]
-        return DecodeBatch(self.step, rids, locs, self._take_release(), lookahead)
+        return DecodeBatch(
+            self.step, rids, locs, self._take_release(), lookahead, drafts, draft_locs
+        )
+
+    def _draft(self) -> tuple[list[list[int]], list[list[int]]]:
+        """This step's drafts and their slots ([] and [] for none), when the budget
+        holds them after the running requests' own slots."""
+        self.drafts, self.draft_locs = [], []
+        if self.spec is None:
+            return [], []
+        drafts = self.spec.drafts(self.running, self.context_len)
+        n = sum(len(d) for d in drafts)
+        if not n or self.kv.budget() < n:
+            return [], []
+        flat = self.kv.alloc(n)
+        it = iter(flat)
+        self.drafts = drafts
+        self.draft_locs = [[next(it) for _ in d] for d in drafts]
+        return self.drafts, self.draft_locs
 
     def _retract_one(self) -> None:
         """Send the request with the least progress back to the queue; its KV stays cached."""
@@ -231,8 +268,15 @@ class Scheduler:
                 self._append_token(req, result, row[req.rid], joined=True)
 
     def _after_decode(self, batch: list[Req], result: StepResult) -> None:
+        drafts, locs, self.drafts, self.draft_locs = self.drafts, self.draft_locs, [], []
+        before = sum(len(r.output_ids) for r in batch)
         for i, req in enumerate(batch):
-            self._append_token(req, result, i, joined=False)
+            if drafts and drafts[i]:
+                self._take_drafted(req, result, i, drafts[i], locs[i])
+            else:
+                self._append_token(req, result, i, joined=False)
+        self.decode_tokens += sum(len(r.output_ids) for r in batch) - before
+        self.decode_rows += len(batch)
         self.decode_steps += 1
         if self.decode_steps % self.args.decode_log_interval == 0:
             self._log_decode()
@@ -246,6 +290,9 @@ class Scheduler:
             req.logprobs.append(result.logprobs[row])
             req.top_logprobs.append(result.top_logprobs[row])
         req.check_finished(self.eos_ids)
+        self._after_tokens(req, joined)
+
+    def _after_tokens(self, req: Req, joined: bool) -> None:
         if req.finish_reason is None:
             if joined:
                 self.running.append(req)
@@ -255,6 +302,25 @@ class Scheduler:
             self.running.remove(req)
         self._release(req, keep=True)
         self._finish(req, req.finish_reason)
+
+    def _take_drafted(
+        self, req: Req, result: StepResult, row: int, draft: list[int], locs: list[int]
+    ) -> None:
+        """A row that drafted: its accepted drafts and the worker's next token, up to where
+        it finishes (a stop token, eos or max_new_tokens inside the run ends it there, as
+        without speculation). The slots of the drafts it keeps (all but the last new
+        token's) become its KV, the others are freed."""
+        accepted = result.accepted[row] if result.accepted else 0
+        n = 0
+        for tok in draft[:accepted] + [result.next_token_ids[row]]:
+            req.output_ids.append(tok)
+            n += 1
+            req.check_finished(self.eos_ids)
+            if req.finish_reason is not None:
+                break
+        self.kv.keep_draft_slots(req, locs[: n - 1], locs[n - 1 :])
+        self.spec.observe(req, len(draft), accepted)
+        self._after_tokens(req, joined=False)
 
     def _apply_aborts(self) -> None:
         for req in [r for r in self.running + [self.chunked] if r is not None and r.to_abort]:
@@ -268,6 +334,8 @@ class Scheduler:
     def _fail_step(self, batch: PrefillBatch | list[Req] | None, message: str) -> None:
         reqs = batch.reqs if isinstance(batch, PrefillBatch) else (batch or [])
         logger.error("worker failed a step of %d requests: %s", len(reqs), message)
+        self.kv.allocator.free([s for locs in self.draft_locs for s in locs])
+        self.drafts, self.draft_locs = [], []
         for req in reqs:
             if req is self.chunked:
                 self.chunked = None
@@ -281,6 +349,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
         self.reqs.pop(req.rid, None)
+        if self.spec is not None:
+            self.spec.forget(req.rid)
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
@@ -310,18 +380,21 @@ class Scheduler:
 
     def _log_decode(self) -> None:
         now = time.monotonic()
-        then, steps_then = self._decode_log
+        then, tokens_then, rows_then = self._decode_log
         tokens = sum(len(r.output_ids) for r in self.running)
-        throughput = len(self.running) * (self.decode_steps - steps_then) / max(now - then, 1e-9)
-        self._decode_log = (now, self.decode_steps)
+        made, rows = self.decode_tokens - tokens_then, self.decode_rows - rows_then
+        self._decode_log = (now, self.decode_tokens, self.decode_rows)
+        # with speculation, SGLang's "accept len": tokens per request and step
+        accept = f", accept len: {made / max(rows, 1):.2f}" if self.spec else ""
         logger.info(
             "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
-            "gen throughput (token/s): %.2f, #queue-req: %d",
+            "gen throughput (token/s): %.2f, #queue-req: %d%s",
             len(self.running),
             tokens + sum(len(r.input_ids) for r in self.running),
             self.kv.token_usage(),
-            throughput,
+            made / max(now - then, 1e-9),
             len(self.waiting),
+            accept,
         )
 
     def stats(self) -> SchedulerStats:

@@ -88,6 +88,7 @@ class ReqSpec:
     sampling: SamplingParams
     eos_at: int | None = None  # output index at which the scripted model emits eos
     expect_error: str | None = None  # ReqError code the scheduler must answer with
+    period: int | None = None  # the model repeats the last `period` tokens (n-gram drafts hold)
 
 
 class ScriptedModel:
@@ -101,11 +102,13 @@ class ScriptedModel:
 
     def next_token(self, rid: str, seq: Seq) -> int:
         spec = self.specs[rid]
-        return self._next(seq, len(spec.prompt), spec.eos_at)
+        return self._next(seq, len(spec.prompt), spec.eos_at, spec.period)
 
-    def _next(self, seq: Seq, prompt_len: int, eos_at: int | None) -> int:
+    def _next(self, seq: Seq, prompt_len: int, eos_at: int | None, period: int | None = None):
         if eos_at is not None and len(seq.tokens) - prompt_len == eos_at:
             return self.eos[0]
+        if period is not None and len(seq.tokens) >= period:
+            return seq.tokens[-period]
         return self.normal[seq.keys[-1] % len(self.normal)]
 
     def preview(self, prompt: list[int], n: int, eos_at: int | None = None) -> list[int]:
@@ -341,9 +344,20 @@ class ScriptedWorker:
         if self.max_running is not None and len(msg.rids) > self.max_running:
             self._bad(f"{where}: {len(msg.rids)} running requests > {self.max_running}")
         self.max_decode_batch = max(self.max_decode_batch, len(msg.rids))
-        self._check_fresh(msg.out_cache_loc, set(), where)
+        fresh: set[int] = set()
+        self._check_fresh(msg.out_cache_loc, fresh, where)
+        drafts = msg.drafts or [[] for _ in msg.rids]
+        if len(drafts) != len(msg.rids) or [len(d) for d in drafts] != [
+            len(locs) for locs in (msg.draft_cache_loc or [[] for _ in msg.rids])
+        ]:
+            self._bad(f"{where}: drafts and their slots do not match the rows")
+            drafts = [[] for _ in msg.rids]
+        draft_locs = msg.draft_cache_loc or [[] for _ in msg.rids]
+        for locs in draft_locs:
+            self._check_fresh(locs, fresh, where)
         toks: list[int] = []
-        for rid, s in zip(msg.rids, msg.out_cache_loc):
+        accepted: list[int] = []
+        for rid, s, draft, locs in zip(msg.rids, msg.out_cache_loc, drafts, draft_locs):
             live = self.live.get(rid)
             seq = self.seqs.get(rid)
             if live is None or seq is None or not live.decoding:
@@ -364,8 +378,19 @@ class ScriptedWorker:
             self._hold([s])
             tok = self.model.next_token(rid, seq)
             seq.append(tok)
+            a = 0
+            while a < len(draft) and draft[a] == tok:  # the draft's KV is this token's
+                pos, s = pos + 1, locs[a]
+                live.pending.append((s, seq.keys[pos], pos))
+                self.pending_slots[s] = rid
+                live.slots.append(s)
+                self._hold([s])
+                tok = self.model.next_token(rid, seq)
+                seq.append(tok)
+                a += 1
             toks.append(tok)
-        return StepResult(step, list(msg.rids), toks)
+            accepted.append(a)
+        return StepResult(step, list(msg.rids), toks, accepted=accepted if msg.drafts else None)
 
 
 # ---------------------------------------------------------------- the harness
@@ -459,6 +484,7 @@ class SchedulerHarness:
                     eos_token_ids=self.model.eos,
                     blas="none",
                     num_state_slots=self.num_state_slots,
+                    verifies_drafts=True,
                 )
             )
         )
@@ -492,6 +518,7 @@ class SchedulerHarness:
         ignore_eos: bool = False,
         stop_token_ids: Iterable[int] = (),
         expect_error: str | None = None,
+        period: int | None = None,
         **sampling_kw: Any,
     ) -> ReqSpec:
         """Send a GenerateReq; the scripted model ignores temperature and penalties."""
@@ -502,7 +529,7 @@ class SchedulerHarness:
             stop_token_ids=list(stop_token_ids),
             **sampling_kw,
         )
-        spec = ReqSpec(rid, list(prompt), sampling, eos_at, expect_error)
+        spec = ReqSpec(rid, list(prompt), sampling, eos_at, expect_error, period)
         assert rid not in self.specs, f"test bug: {rid} submitted twice"
         self.specs[rid] = spec
         self.model.specs[rid] = spec

@@ -17,6 +17,11 @@ The buffers hold K/V decoded, as the pool hands them back (`kv_codec`), so a ste
 floats. Over a quantized pool each layer also keeps the stored parts of every column
 (`parts`), gathered with the rows and written by each step: the flush writes those, as
 quantizing decoded values again would not give back the same codes.
+
+A speculative verify step (`step` with S tokens a row) writes S columns; the columns of
+a row's rejected drafts become holes, masked out and skipped by RoPE positions, so rows
+that accepted different numbers of drafts keep sharing the write column. Holes go away
+with the next rebuild (`admit` refuses while there are any, `too_holey` asks for one).
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ class DecodeBuffer:
         self.flushed = T  # columns before this are already in the pool
         self.keys, self.values, self.parts = self._gather(slots, T, cap)
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
+        # speculative steps' rejected columns: (B, cap) marks, and their count per row
+        self.holes = mx.zeros((len(rids), cap), dtype=mx.bool_)
+        self.gaps = mx.zeros((len(rids),), dtype=mx.int32)
+        self.hole_counts = [0] * len(rids)
+        self.hole_columns = 0  # the most holes any row has
 
     # ------------------------------------------------------------ rows
 
@@ -69,7 +79,9 @@ class DecodeBuffer:
 
     def serves(self, rids: list[str]) -> bool:
         """Whether the live rows are exactly `rids` and dead rows do not outnumber them."""
-        return not self._mostly_dead(self.rids.count(None)) and self.rows(rids) is not None
+        if self._mostly_dead(self.rids.count(None)) or self.too_holey():
+            return False
+        return self.rows(rids) is not None
 
     def columns(self, rid: str) -> tuple[int, range] | None:
         """(row, the columns holding its KV) of `rid`, or None if it has no row."""
@@ -97,7 +109,7 @@ class DecodeBuffer:
         joining = [(rid, s) for rid, s in zip(rids, slots) if rid not in seated]
         free = [i for i, rid in enumerate(self.rids) if rid is None]
         dead_after = len(free) - len(joining)
-        if dead_after < 0 or self._mostly_dead(dead_after) or self.pending():
+        if dead_after < 0 or self._mostly_dead(dead_after) or self.pending() or self.hole_columns:
             return False
         if any(len(s) > self.idx for _, s in joining):
             return False
@@ -122,14 +134,32 @@ class DecodeBuffer:
     # ------------------------------------------------------------ steps and flush
 
     def step(self, step: DecodeStep, tokens: mx.array) -> mx.array:
-        """One decode step of every row (tokens (B, 1)); writes column `idx`; the logits."""
-        self._make_room()
+        """One decode step of every row (tokens (B, S)): writes the S columns from `idx`;
+        the logits, (B, V) for S == 1, else (B, S, V)."""
+        S = tokens.shape[1]
+        self._make_room(S)
         self._state_before = self.state
         logits, self.keys, self.values, self.state, self.parts = step(
-            tokens, self.idx, self._left_pad_arr, self.keys, self.values, self.state, self.parts
-        )
-        self.idx += 1
+            tokens, self.idx, self._left_pad_arr, self.keys, self.values, self.state,
+            self.parts, self.holes, self.gaps,
+        )  # fmt: skip
+        self.idx += S
         return logits
+
+    def reject(self, rejected: list[int]) -> None:
+        """After a verify step: the last `rejected[row]` columns of each row hold no token."""
+        if not any(rejected):
+            return
+        n = mx.array(rejected, dtype=mx.int32)
+        cols = mx.arange(self.keys[0].shape[2])
+        self.holes = self.holes | ((cols >= self.idx - n[:, None]) & (cols < self.idx))
+        self.gaps = self.gaps + n
+        self.hole_counts = [a + b for a, b in zip(self.hole_counts, rejected)]
+        self.hole_columns = max(self.hole_counts)
+
+    def too_holey(self) -> bool:
+        """Whether holes are a fifth of the columns a step attends: a rebuild is cheaper."""
+        return 5 * self.hole_columns > self.idx
 
     def unstep(self) -> None:
         """Forget the last step (one computed ahead that was not wanted): the next step
@@ -243,11 +273,11 @@ class DecodeBuffer:
         self.idx = self.flushed = width
         self.left_pad = [max(pad - shift, 0) for pad in self.left_pad]  # dead rows: any
 
-    def _make_room(self) -> None:
-        """Double the capacity when column `idx` is past it; the only concatenation,
-        amortised over many steps."""
+    def _make_room(self, columns: int = 1) -> None:
+        """Double the capacity when the `columns` from `idx` do not fit; the only
+        concatenation, amortised over many steps."""
         cap = self.keys[0].shape[2]
-        if self.idx >= cap:
+        if self.idx + columns > cap:
             self._recolumn(0, cap, 2 * cap)
 
     def _recolumn(self, start: int, width: int, cap: int) -> None:
@@ -257,6 +287,8 @@ class DecodeBuffer:
             self.values[i] = _shifted(self.values[i], start, width, cap)
             for p, part in enumerate(self.parts[i] if self.parts else ()):
                 self.parts[i][p] = _shifted(part, start, width, cap)
+        pad = mx.zeros((len(self.rids), cap - width), dtype=mx.bool_)
+        self.holes = mx.concatenate([self.holes[:, start : start + width], pad], axis=1)
 
 
 def _shifted(buffer: mx.array, start: int, width: int, cap: int) -> mx.array:

@@ -31,19 +31,24 @@ WIDTH_STEP = 64
 MAX_TRACES = 128
 
 
-def attention_width(column: int, capacity: int) -> tuple[int, int]:
-    """(width, lowest): a compiled step that writes `column` attends over the first
-    `width` columns (a multiple of the step), and serves every column from `lowest` on."""
+def attention_width(column: int, capacity: int, queries: int = 1) -> tuple[int, int]:
+    """(width, lowest): a compiled step that writes `queries` columns from `column` attends
+    over the first `width` columns (a multiple of the step), and serves every first
+    column from `lowest` on."""
     step = max(WIDTH_STEP, capacity // 8)
-    width = min(capacity, (column + step) // step * step)
-    return width, max(0, width - step)
+    last = column + queries - 1
+    width = min(capacity, (last + step) // step * step)
+    return width, max(0, width - step - queries + 1)
 
 
 class DecodeStep:
-    """step(tokens (B, 1), column, left_pad (B,), keys, values, states, parts) -> (logits
-    (B, V), keys, values, states, parts): the per-layer buffers with column `column`
-    written (in place: MLX donates them), the recurrent layers' states (B rows each) after
-    the step, and for a quantized pool the per-layer stored parts with the column written."""
+    """step(tokens (B, S), column, left_pad (B,), keys, values, states, parts, holes, gaps)
+    -> (logits (B, V), or (B, S, V) when S > 1, keys, values, states, parts): the
+    per-layer buffers with columns `column`.. written (in place: MLX donates them), the
+    recurrent layers' states (B rows each) after the step, and for a quantized pool the
+    per-layer stored parts with the columns written. S > 1 is a speculative verify step;
+    `holes` (B, capacity) are columns without a token and `gaps` (B,) their count per row,
+    which RoPE positions skip."""
 
     def __init__(
         self, model: nn.Module, compile: bool, layout: KVLayout, max_traces: int = MAX_TRACES
@@ -61,9 +66,10 @@ class DecodeStep:
         model, windows, layout = self.model, self.windows, self.layout
         codec = layout.codec
 
-        def step(tokens, column, left_pad, keys, values, states, parts, width, lowest):
-            columns = StepColumns(column, left_pad, width, lowest)
-            offset = column - left_pad  # each row's RoPE position
+        def step(tokens, column, left_pad, keys, values, states, parts, width, lowest, holes, gaps):
+            S = tokens.shape[1]
+            columns = StepColumns(column, left_pad, width, lowest, holes, S)
+            offset = column - left_pad - gaps  # each row's RoPE position
             layer_parts = parts or [()] * len(keys)
             kv = [
                 StepCache(offset, columns, k, v, w, codec, p)
@@ -71,7 +77,8 @@ class DecodeStep:
             ]
             recurrent = [StateCache(len(s), s, None) for s in states]
             caches = layout.in_model_order(kv, recurrent) if recurrent else kv
-            logits = model(tokens, cache=caches)[:, -1, :]
+            logits = model(tokens, cache=caches)
+            logits = logits[:, -1, :] if S == 1 else logits
             new_states = [c.state for c in recurrent]
             new_parts = [c.parts for c in kv] if parts else []
             return logits, [c.keys for c in kv], [c.values for c in kv], new_states, new_parts
@@ -92,19 +99,24 @@ class DecodeStep:
         values: list[mx.array],
         states: list[list[mx.array]] = (),
         parts: list[list[mx.array]] = (),
+        holes: mx.array | None = None,
+        gaps: mx.array | None = None,
     ) -> tuple[
         mx.array, list[mx.array], list[mx.array], list[list[mx.array]], list[list[mx.array]]
     ]:
         capacity = keys[0].shape[2]
+        B, S = tokens.shape
+        if holes is None:
+            holes, gaps = mx.zeros((B, capacity), dtype=mx.bool_), mx.zeros((B,), mx.int32)
         if self.compiles:
-            width, lowest = attention_width(column, capacity)
-            shape = (tokens.shape[0], capacity, width)
+            width, lowest = attention_width(column, capacity, S)
+            shape = (B, capacity, width, S)
             if shape not in self.shapes:
                 if len(self.shapes) >= self.max_traces:
                     self._step = self._compile()  # the old function and its traces are freed
                 self.shapes.add(shape)
         else:
-            width, lowest = column + 1, column
+            width, lowest = column + S, column
         at = mx.array([column], dtype=mx.int32)
         args = (keys, values, list(states), [list(p) for p in parts])
-        return self._step(tokens, at, left_pad, *args, width, lowest)
+        return self._step(tokens, at, left_pad, *args, width, lowest, holes, gaps)

@@ -88,19 +88,25 @@ class ExtendCache:
 
 
 class StepColumns:
-    """Which columns of a decode step's left-padded buffers each layer attends: `column`
-    (an array, so a compiled step serves many) is written, every column before `width`
-    is read under the mask, and `column` is known to be at least `lowest` (an int). A
-    layer with window W reads from column `start(W)`, the first one any query of this
-    width can reach."""
+    """Which columns of a decode step's left-padded buffers each layer attends: the
+    `queries` columns from `column` (an array, so a compiled step serves many) are
+    written, every column before `width` is read under the mask, and `column` is known
+    to be at least `lowest` (an int). `holes` (B, capacity) marks columns that hold no
+    token (a speculative step's rejected drafts). A layer with window W reads from
+    column `start(W)`, the first one any query of this width can reach."""
 
-    def __init__(self, column: mx.array, left_pad: mx.array, width: int, lowest: int):
+    def __init__(
+        self, column: mx.array, left_pad: mx.array, width: int, lowest: int,
+        holes: mx.array | None = None, queries: int = 1,
+    ):  # fmt: skip
         self.column, self.width, self.lowest = column, width, lowest
         cols = mx.arange(width)
         self.cols = cols
-        self.full = ((cols[None, :] >= left_pad[:, None]) & (cols[None, :] <= column))[
-            :, None, None, :
-        ]
+        self.last = column + mx.arange(queries)[:, None]  # (S, 1): each query's own column
+        full = (cols[None, None, :] >= left_pad[:, None, None]) & (cols <= self.last)[None]
+        if holes is not None:
+            full = full & ~holes[:, None, :width]
+        self.full = full[:, None]  # (B, 1, S, width)
 
     def start(self, window: int | None) -> int:
         return 0 if window is None else max(0, self.lowest - window + 1)
@@ -109,17 +115,18 @@ class StepColumns:
         if window is None:
             return self.full
         start = self.start(window)
-        return self.full[..., start:] & (self.cols[start:] > self.column - window)
+        return self.full[..., start:] & (self.cols[start:] > self.last - window)
 
 
 class StepCache:
-    """One layer of a decode step: column `columns.column` of left-padded (B, H, cap, D)
-    buffers is written, and attention reads the columns `columns` says. Functional (the
-    buffers are replaced, never assigned into), so `mx.compile` can trace it.
+    """One layer of a decode step: the columns from `columns.column` of left-padded
+    (B, H, cap, D) buffers are written (one per query), and attention reads the columns
+    `columns` says. Functional (the buffers are replaced, never assigned into), so
+    `mx.compile` can trace it.
 
-    The new token's K/V are written as the pool's `codec` hands them back, so it attends
-    itself as every later step will (mlx-lm's QuantizedKVCache quantizes each token on
-    update too); for a quantized pool the stored `parts` get the column as well, for the
+    The new tokens' K/V are written as the pool's `codec` hands them back, so they attend
+    themselves as every later step will (mlx-lm's QuantizedKVCache quantizes each token on
+    update too); for a quantized pool the stored `parts` get the columns as well, for the
     flush to write exactly those (a second quantization of decoded values is not exact)."""
 
     def __init__(

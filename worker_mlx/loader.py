@@ -51,6 +51,7 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         blas=blas,
         num_state_slots=states.num_slots if states is not None else 0,
+        verifies_drafts=runner.verifies_drafts,
     )
     return runner, ready
 

@@ -62,7 +62,12 @@ class Lookahead:
     def take_step(self, batch: DecodeBatch) -> list[int] | None:
         """The tokens computed ahead if `batch` is exactly that step; otherwise invalidate."""
         bet = self.bet
-        if isinstance(bet, _Step) and not batch.release and batch.rids == bet.rids:
+        if (
+            isinstance(bet, _Step)
+            and not batch.release
+            and not any(batch.drafts)
+            and batch.rids == bet.rids
+        ):
             self.bet = self.next_step = None
             return bet.tokens.tolist()
         self.invalidate()

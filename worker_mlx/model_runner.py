@@ -23,6 +23,7 @@ from worker_mlx.prefill import ExtendPlan, passes
 from worker_mlx.prompt_logprobs import prompt_logprobs
 from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
 from worker_mlx.state_pool import StatePool
+from worker_mlx.verify import check_drafts, verify_step
 
 
 @dataclass
@@ -44,6 +45,7 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list] | None = None
     prompt_logprobs: list | None = None
+    accepted: list[int] | None = None  # drafts kept per row, after a verify step
 
 
 @dataclass
@@ -85,6 +87,11 @@ class ModelRunner:
         self.buffer: DecodeBuffer | None = None
         self.lookahead = Lookahead()
         self.grammars = grammars
+        # Drafts are verified on the decode buffer, whose holes the RoPE positions skip:
+        # a sliding window counts columns and a recurrent state cannot drop a rejected
+        # token, so those models decode without speculation.
+        layout = pool.layout
+        self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -110,7 +117,7 @@ class ModelRunner:
         if self.batched and all(len(r.input_ids) == 1 and r.last_chunk for r in batch.reqs):
             return self._extend_one_token(batch.reqs)
         self.lookahead.invalidate()
-        self._flush()
+        self.flush()
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         steps = [p for reqs in groups for p in passes(reqs, self.prefill_step, self.pad_prefill)]
         last_logits, states, order = [], [], []
@@ -146,7 +153,7 @@ class ModelRunner:
         if buffer is not None:
             buffer.rewind(reqs[0].rid, len(prefixes[0]))
         else:
-            self._flush()
+            self.flush()
             rids = [r.rid for r in reqs]
             buffer = DecodeBuffer(
                 self.pool, rids, prefixes, free_columns=2,  # this step, the next
@@ -162,7 +169,7 @@ class ModelRunner:
 
     def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
         """Sample the extended requests' first tokens; from now on they decode."""
-        out = self._sample_and_record(logits, states, self._arrays())
+        out = self.sample_and_record(logits, states, self._arrays())
         for s in states:
             self.reqs[s.rid] = s
         return out
@@ -236,12 +243,17 @@ class ModelRunner:
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
         self._check_slots("decode", batch.out_cache_loc)
+        drafting = any(batch.drafts)
+        if drafting:
+            check_drafts(batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts)
         ahead = self.lookahead.take_step(batch)
         self.release(batch.release, keep_buffer=False)  # the decode below changes it
         unknown = [rid for rid in batch.rids if rid not in self.reqs]
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         states = [self.reqs[rid] for rid in batch.rids]
+        if drafting:
+            return StepOutput(**verify_step(self, batch, states))
         if ahead is not None:
             out = StepOutput(list(batch.rids), ahead)
             for s, tok in zip(states, ahead):
@@ -260,17 +272,23 @@ class ModelRunner:
         return out
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
+        buffer = self.buffer_for(rids, states)
+        logits = self._buffer_step(buffer.rows(rids))
+        return self.sample_and_record(logits, states, buffer.arrays())
+
+    def buffer_for(self, rids: list[str], states: list[ReqState]) -> DecodeBuffer:
+        """The decode buffer with exactly `rids` live: this one, or with rows admitted
+        (their KV flushed first), or rebuilt from the pool."""
         buffer = self.buffer
         if buffer is None or not buffer.serves(rids):
-            self._flush()
+            self.flush()
             slots = [s.slots for s in states]
             homes = [s.state_slot for s in states]
             if buffer is None or not buffer.admit(rids, slots, homes):
                 buffer = self.buffer = DecodeBuffer(
                     self.pool, rids, slots, states=self.states, state_slots=homes
                 )
-        logits = self._buffer_step(buffer.rows(rids))
-        return self._sample_and_record(logits, states, buffer.arrays())
+        return buffer
 
     def _decode_solo(self, states: list[ReqState], locs: list[int]) -> StepOutput:
         """The fallback: each request's step is an extend of its last token on the pool."""
@@ -282,7 +300,7 @@ class ModelRunner:
             )  # fmt: skip
             parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return self._sample_and_record(logits, states, self._arrays())
+        return self.sample_and_record(logits, states, self._arrays())
 
     def _buffer_step(self, rows: list[int]) -> mx.array:
         """Logits of one step of the decode buffer for its `rows` (the live ones, in the
@@ -306,7 +324,7 @@ class ModelRunner:
         mx.async_eval(tokens, buffer.arrays())
         self.lookahead.computed_step(buffer, rids, tokens)
 
-    def _sample_and_record(
+    def sample_and_record(
         self, logits: mx.array, states: list[ReqState], buffers: list[mx.array]
     ) -> StepOutput:
         """Sample one token per row, overlap host work with the step, record the results."""
@@ -315,7 +333,7 @@ class ModelRunner:
         if any(matchers):
             mx.async_eval(logits)  # the step runs while the masks are computed
             logits = self.grammars.constrain(logits, matchers)
-        next_tok = sample(logits, [s.sampling for s in states], self._step_keys(states))
+        next_tok = sample(logits, [s.sampling for s in states], self.step_keys(states))
         top_n = max((s.sampling.top_logprobs for s in states if s.sampling.logprobs), default=-1)
         lp = logprobs(logits, next_tok, top_n) if top_n >= 0 else ()
         mx.async_eval(next_tok, *lp, *buffers)
@@ -335,7 +353,7 @@ class ModelRunner:
             ]  # fmt: skip
         return out
 
-    def _step_keys(self, states: list[ReqState]) -> list[mx.array | None]:
+    def step_keys(self, states: list[ReqState]) -> list[mx.array | None]:
         keys = []
         for s in states:
             use = None
@@ -353,14 +371,14 @@ class ModelRunner:
         if not release:
             return
         self.lookahead.invalidate()
-        self._flush(skip={r.rid for r in release if not r.flush})
+        self.flush(skip={r.rid for r in release if not r.flush})
         self._final_snapshots(release)
         buffer = self.buffer
         if buffer is not None:
             finished = {r.rid for r in release if r.flush}
             # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
             alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
-            if keep_buffer and alone and self.states is None:
+            if keep_buffer and alone and self.states is None and not buffer.hole_columns:
                 self.lookahead.keep(buffer, self.reqs[buffer.rids[0]].slots)
             buffer.drop({r.rid for r in release})
         for r in release:
@@ -378,7 +396,7 @@ class ModelRunner:
             self.states.copy(snaps)
             mx.eval(self.states.all())
 
-    def _flush(self, skip: set[str] = frozenset()) -> None:
+    def flush(self, skip: set[str] = frozenset()) -> None:
         """Write every decode token that is only in the decode buffer into the pool."""
         if self.buffer is not None:
             self.buffer.flush(self._slots, skip)

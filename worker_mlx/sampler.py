@@ -28,13 +28,13 @@ def sample(logits: mx.array, params: list[SamplingParams], keys: list[mx.array |
         if p.greedy:
             rows.append(mx.argmax(row))
             continue
-        row = _filter(row / p.temperature, p)
+        row = filter_logits(row / p.temperature, p)
         noise = mx.random.gumbel(shape=row.shape, key=keys[b])
         rows.append(mx.argmax(row + noise))
     return mx.stack(rows)
 
 
-def _filter(scaled: mx.array, p: SamplingParams) -> mx.array:
+def filter_logits(scaled: mx.array, p: SamplingParams) -> mx.array:
     """Mask tokens that top-k, top-p or min-p exclude (scaled logits in, masked logits out)."""
     if p.top_k > 0 and p.top_k < scaled.shape[-1]:
         kth = mx.sort(scaled)[-p.top_k]

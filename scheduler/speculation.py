@@ -1,0 +1,140 @@
+"""N-gram speculation (prompt lookup): draft tokens copied from a request's own history.
+
+The drafts are proposed here, in the scheduler, rather than in the worker: the scheduler
+has every request's tokens (prompt and output) and must know each row's draft count
+before the step anyway, to allocate one KV slot per draft, so proposing here costs no
+message and keeps the worker's step a pure function of its descriptor.
+
+A request's last n tokens (n from `MAX_NGRAM` down to `MIN_NGRAM`, as the prompt-lookup
+proposers of vLLM and SGLang) are looked up where they occurred before, most recent
+first; the tokens that followed there are the draft. An index from each n-gram to the
+position after its latest occurrence makes that O(1) a step. A match that runs into the
+end of the history continues periodically (a loop of period p repeats), so a row that
+loops drafts its full K.
+
+Adaptive: a row whose drafts keep failing stops drafting for a while, doubling each
+time, so text that does not repeat itself pays (almost) nothing for speculation. Rows
+with penalties, logit bias, logprobs or a grammar never draft: their next token depends
+on state the drafts would have to replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import Req
+
+MIN_NGRAM = 2
+MAX_NGRAM = 4
+# A row's acceptance is judged over this many drafting steps: below LOW_ACCEPTANCE of
+# its draft tokens kept, it pauses for `pause` steps (from FIRST_PAUSE, doubling to
+# MAX_PAUSE while it keeps failing; a good window resets it).
+WINDOW = 4
+LOW_ACCEPTANCE = 0.3
+FIRST_PAUSE = 16
+MAX_PAUSE = 1024
+
+
+@dataclass
+class NgramIndex:
+    """Position after the latest occurrence of each n-gram of a token history; the
+    n-gram ending at the last token is indexed only once a later token follows it."""
+
+    tokens: list[int] = field(default_factory=list)
+    after: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def extend(self, new: list[int]) -> None:
+        for tok in new:
+            self.tokens.append(tok)
+            end = len(self.tokens) - 1  # n-grams ending before this token now have a next
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if end >= n:
+                    self.after[tuple(self.tokens[end - n : end])] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest recent n-gram equal to the end."""
+        toks = self.tokens
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            if len(toks) <= n:
+                continue
+            at = self.after.get(tuple(toks[-n:]))
+            if at is not None:
+                draft: list[int] = []
+                for i in range(k):  # past the end, the match's own continuation repeats
+                    j = at + i
+                    draft.append(toks[j] if j < len(toks) else draft[j - len(toks)])
+                return draft
+        return []
+
+
+@dataclass
+class DraftState:
+    """One request's speculation: its history index and its acceptance record."""
+
+    index: NgramIndex
+    seen: int  # tokens of the request's fill indexed so far
+    drafted: int = 0  # draft tokens sent in the current window
+    kept: int = 0
+    steps: int = 0  # drafting steps in the current window
+    pause: int = 0  # steps left without drafting
+    next_pause: int = FIRST_PAUSE
+
+    def observe(self, drafted: int, kept: int) -> None:
+        self.drafted += drafted
+        self.kept += kept
+        self.steps += 1
+        if self.steps < WINDOW:
+            return
+        if self.kept < LOW_ACCEPTANCE * self.drafted:
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
+        else:
+            self.next_pause = FIRST_PAUSE
+        self.drafted = self.kept = self.steps = 0
+
+
+class NgramSpeculation:
+    """Drafts for a decode step's rows, and what the worker kept of them."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.k = num_draft_tokens
+        self.rows: dict[str, DraftState] = {}
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        p = req.sampling
+        return not (p.penalized or p.logit_bias or p.logprobs or p.grammar_kind)
+
+    def drafts(self, reqs: list[Req], context_len: int) -> list[list[int]]:
+        """Per request, its drafts for the next step ([] for none): at most K, and never
+        past max_new_tokens or the context length (the step's own token counts)."""
+        return [self._draft(req, context_len) for req in reqs]
+
+    def _draft(self, req: Req, context_len: int) -> list[int]:
+        if not self.eligible(req):
+            return []
+        state = self.rows.get(req.rid)
+        if state is None:
+            state = self.rows[req.rid] = DraftState(NgramIndex(), 0)
+        fill = req.fill_ids
+        state.index.extend(fill[state.seen :])
+        state.seen = len(fill)
+        if state.pause:
+            state.pause -= 1
+            return []
+        room = min(req.remaining_new_tokens - 1, context_len - len(fill) - 1)
+        return state.index.propose(min(self.k, room)) if room > 0 else []
+
+    def observe(self, req: Req, drafted: int, kept: int) -> None:
+        if drafted:
+            self.rows[req.rid].observe(drafted, kept)
+
+    def active(self, reqs: list[Req]) -> bool:
+        """Whether any of `reqs` may draft at its next step."""
+        return any(self.eligible(r) and not self._paused(r) for r in reqs)
+
+    def _paused(self, req: Req) -> bool:
+        state = self.rows.get(req.rid)
+        return state is not None and state.pause > 1
+
+    def forget(self, rid: str) -> None:
+        self.rows.pop(rid, None)

@@ -1,0 +1,90 @@
+"""The scheduler's side of n-gram speculation, against the scripted worker.
+
+The scripted model repeats the last `period` tokens of requests that have one (so
+their n-gram drafts are accepted) and hashes the sequence for the others (drafts fail);
+the worker accepts a draft exactly where it equals the model's next token. Every step is
+checked against the slot contract (draft slots fresh, accepted ones holding the right
+token's KV) and the scheduler runs with --debug-invariants: rejected drafts' slots are
+freed, the trie only holds accepted tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+from common.messages import DecodeBatch
+from scheduler.speculation import NgramIndex
+from tests.scripted_worker import toks
+
+
+def _spec_harness(make_harness, num_slots: int, k: int = 4):
+    h = make_harness(num_slots, speculative_algorithm="ngram", speculative_num_draft_tokens=k)
+    sent = []
+    h.on_worker(lambda m: isinstance(m, DecodeBatch) and bool(sent.append(m)) and False)
+    return h, sent
+
+
+def test_drafts_are_verified_and_outputs_unchanged(make_harness):
+    h, sent = _spec_harness(make_harness, 2048)
+    rng = random.Random(3)
+    shared = toks(rng, 30)
+    for i in range(12):
+        prompt = (shared if i % 3 == 0 else []) + toks(rng, rng.randrange(3, 20))
+        period = rng.choice([None, 3, 5]) if i % 2 else None
+        stops = [] if i != 5 else h.model.preview(prompt, 30)[-1:]
+        h.submit(f"s{i}", prompt, rng.randrange(10, 50), period=period, stop_token_ids=stops,
+                 eos_at=rng.choice([None, 25]))  # fmt: skip
+    h.wait_idle(timeout=20)
+    h.verify()  # every output equals the scripted model's, with its stop rules
+    drafted = [d for m in sent for d in m.drafts if d]
+    assert drafted and all(len(d) <= 4 for d in drafted)
+    assert h.results["s1"].completion_tokens == len(h.results["s1"].tokens)
+
+
+def test_tiny_pool_with_drafts_evicts_and_retracts(make_harness):
+    h, sent = _spec_harness(make_harness, 160, k=6)
+    rng = random.Random(4)
+    for i in range(14):
+        h.submit(f"t{i}", toks(rng, rng.randrange(4, 30)), rng.randrange(20, 60),
+                 period=rng.choice([2, 4, None]))  # fmt: skip
+    stats = h.wait_idle(timeout=30)
+    h.verify()
+    assert stats.retracted_requests > 0 and stats.evicted_tokens > 0, stats
+    assert any(any(m.drafts) for m in sent)
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(make_harness):
+    h, sent = _spec_harness(make_harness, 1024)
+    # the model continues 6 7 5 6 7 ...; the drafts "7 5 6 7" are all accepted, and the
+    # stop token 7 is the first of them
+    h.submit("stop", [5, 6, 7] * 4 + [5], 20, period=3, stop_token_ids=[7])
+    h.submit("eos", [5, 6, 7] * 4 + [5], 20, period=3, eos_at=4)
+    h.wait_idle()
+    h.verify()
+    assert h.results["stop"].tokens == [6, 7] and h.results["stop"].finish == "stop"
+    assert any(m.drafts for m in sent)
+    assert h.final_stats().token_usage == 0
+
+
+def test_no_drafts_past_max_new_tokens_or_for_penalised_rows(make_harness):
+    h, sent = _spec_harness(make_harness, 1024, k=8)
+    h.submit("short", [5, 6, 7] * 4, 3, period=3)  # 3 tokens: drafts of at most 1 after the first
+    h.submit("pen", [5, 6, 7] * 4, 12, period=3, repetition_penalty=1.2)
+    h.wait_idle()
+    h.verify()
+    for m in sent:
+        rows = dict(zip(m.rids, m.drafts or [[] for _ in m.rids]))
+        assert not rows.get("pen")
+        assert len(rows.get("short", [])) <= 1
+
+
+def test_ngram_index_proposes_the_latest_continuation():
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    assert idx.propose(3) == [4, 5, 1]  # the latest "1 2 3" was followed by 4 5 1
+    idx = NgramIndex()
+    idx.extend([7, 8, 7, 8])
+    assert idx.propose(5) == [7, 8, 7, 8, 7]  # a loop continues past the history's end
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 4])
+    assert idx.propose(4) == []
