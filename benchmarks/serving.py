@@ -3,6 +3,7 @@
     python -m benchmarks.serving --backend all --workload generated-shared-prefix \
         --preset small --max-concurrency 8
     python -m benchmarks.serving --suite standard        # what `make bench` runs
+    python -m benchmarks.serving --suite speculative     # n-gram speculation vs none
 
 An asyncio load generator speaking the OpenAI HTTP API (or radix-mlx's ZMQ SDK with
 `--transport sdk`). It starts each backend itself on free loopback ports (or uses
@@ -46,6 +47,7 @@ from benchmarks.workloads import (
     build_sessions,
     run_sessions,
     spec_from_args,
+    speculative_suite,
     standard_suite,
 )
 from common.ipc import free_ports
@@ -53,7 +55,7 @@ from common.server_process import ServerProcess
 from router.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
-BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm")
+BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram")
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
 # mlx_lm.server with OpenBLAS loaded first, as radix-mlx's worker does: same BLAS for both.
 MLX_LM_MAIN = (
@@ -99,6 +101,8 @@ class ManagedServer(ServerProcess):
                    "--zmq-port", str(self.zmq_port), *extra]
             if backend == "radix-mlx-no-cache":
                 cmd.append("--disable-radix-cache")
+            if backend == "radix-mlx-ngram":
+                cmd += ["--speculative-algorithm", "ngram"]
         # fmt: on
         url = f"http://127.0.0.1:{self.port}"
         super().__init__(cmd, url, log_dir / f"{backend}.log", env)
@@ -183,14 +187,15 @@ async def warm_up(ep: Endpoint, transport: str, tokenizer, n: int) -> None:
 
 def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
     """The suite's runs, or the one workload from the flags on each chosen backend."""
-    if args.suite == "standard":
+    if args.suite:
+        suite = standard_suite() if args.suite == "standard" else speculative_suite()
         return [
             PlannedRun(b, spec, c)
-            for spec, concs, backends in standard_suite()
+            for spec, concs, backends in suite
             for b in backends
             for c in concs
         ]
-    backends = BACKENDS if args.backend == "all" else (args.backend,)
+    backends = BACKENDS[:3] if args.backend == "all" else (args.backend,)
     spec = spec_from_args(args)
     return [PlannedRun(b, spec, c) for b in backends for c in args.max_concurrency or [None]]
 
@@ -231,7 +236,7 @@ def resolve_model(args: argparse.Namespace) -> str:
         return args.model_path
     from common.tiny_model import ensure_tiny_model
 
-    return str(ensure_tiny_model(preset=args.preset))
+    return str(ensure_tiny_model(preset=args.preset, loop=args.loop))
 
 
 async def run_backend(
@@ -275,7 +280,8 @@ async def run_plan(
     for repeat in range(args.repeats):
         if args.repeats > 1:
             print(f"\n=== repeat {repeat + 1} of {args.repeats}", flush=True)
-        for backend in dict.fromkeys(pr.backend for pr in plan):
+        backends = list(dict.fromkeys(pr.backend for pr in plan))
+        for backend in backends[::-1] if repeat % 2 else backends:  # ABBA: drift cancels
             mine = [pr for pr in plan if pr.backend == backend]
             results += await run_backend(backend, mine, args, model, tokenizer, info, repeat)
     return results
@@ -284,13 +290,18 @@ async def run_plan(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--suite", choices=["standard"], help="the issue's target runs on the small model")
+    a(
+        "--suite",
+        choices=["standard", "speculative"],
+        help="the issue's target runs on the small model (speculative: its looping build)",
+    )
     a("--backend", choices=[*BACKENDS, "all"], default="radix-mlx")
     a("--base-url", help="use a running server (of --backend's kind) instead of starting one")
     a("--zmq-address", help="with --base-url and --transport sdk: the SDK front door")
     a("--transport", choices=["http", "sdk"], default="http", help="for radix-mlx backends")
     a("--model-path", help="any mlx-lm model directory (default: build --preset offline)")
     a("--preset", choices=["tiny", "small"], default="small")
+    a("--loop", action="store_true", help="the preset built so its greedy outputs cycle")
     a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
     a("--workload", choices=WORKLOADS, default="random")
     a("--num-prompts", type=int, default=64, help="random workload")
@@ -312,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="ids",
         help="carry answers as their exact ids, or re-tokenize their text for every backend",
     )
+    a("--code-edit-text-len", type=int, default=192, help="code-edit workload")
+    a("--code-edit-output-len", type=int, default=128)
     a("--repeat-len", type=int, default=2048)
     a("--repeat-output-len", type=int, default=16)
     a("--repeat-warm-runs", type=int, default=9, help="warm repeats after the cold request")
@@ -338,6 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.suite else 1
+    args.loop = args.loop or args.suite == "speculative"
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     return args

@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.records import Prompt, RequestResult, WorkloadSpec
 
-WORKLOADS = ("random", "generated-shared-prefix", "multi-turn", "repeat", "agent")
+WORKLOADS = ("random", "generated-shared-prefix", "multi-turn", "repeat", "agent", "code-edit")
 _WORD = re.compile(r" [A-Za-z]+")
 
 
@@ -182,12 +182,34 @@ def agent_sessions(
     return out
 
 
+def code_edit_sessions(
+    f: PromptFactory, num_prompts: int, text_len: int, output_len: int
+) -> list[Session]:
+    """Prompts that hold a text and then ask for it back with a small change (the text,
+    then an instruction and the text's first words changed), as an editing assistant is
+    asked: a model that follows it copies its prompt, which n-gram speculation drafts. On
+    random-weight models the output does not copy; what repeats there is a looping
+    model's own output (`--loop`)."""
+    out = []
+    for _ in range(num_prompts):
+        text = f.prompt(text_len)
+        ask = f.piece(12)  # stands for "Return the text above with one word changed:"
+        edit = f.piece(2)
+        body = text.ids[len(f.specials) :]
+        ids = text.ids + ask.ids + edit.ids + body[2:12]
+        p = Prompt(ids, f.tokenizer.decode(ids))
+        check_round_trip(f.tokenizer, p.ids, p.text)
+        out.append(Session([p], [output_len], ["request"]))
+    return out
+
+
 BUILDERS = {
     "random": random_sessions,
     "generated-shared-prefix": shared_prefix_sessions,
     "multi-turn": multi_turn_sessions,
     "repeat": repeat_sessions,
     "agent": agent_sessions,
+    "code-edit": code_edit_sessions,
 }
 
 
@@ -233,6 +255,12 @@ def spec_from_args(args) -> WorkloadSpec:
             result_len=args.agent_result_len,
             output_len=args.agent_output_len,
         )
+    elif name == "code-edit":
+        params = dict(
+            num_prompts=args.num_prompts,
+            text_len=args.code_edit_text_len,
+            output_len=args.code_edit_output_len,
+        )
     else:
         params = dict(
             length=args.repeat_len,
@@ -262,6 +290,20 @@ def standard_suite() -> list[tuple[WorkloadSpec, list[int], tuple[str, ...]]]:
             both,
         ),
         (WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=9)), [1], both),
+    ]
+
+
+def speculative_suite() -> list[tuple[WorkloadSpec, list[int], tuple[str, ...]]]:
+    """Issue 21's speculation targets: n-gram speculation against radix-mlx without it,
+    at batch 1 and 8, on the code-edit load and on random prompts (the off-switch)."""
+    both = ("radix-mlx", "radix-mlx-ngram")
+    edit = dict(text_len=192, output_len=128)
+    rnd = dict(input_len=192, output_len=128, range_ratio=1.0)
+    return [
+        (WorkloadSpec("code-edit", dict(num_prompts=6, **edit)), [1], both),
+        (WorkloadSpec("code-edit", dict(num_prompts=24, **edit)), [8], both),
+        (WorkloadSpec("random", dict(num_prompts=6, **rnd)), [1], both),
+        (WorkloadSpec("random", dict(num_prompts=24, **rnd)), [8], both),
     ]
 
 

@@ -269,13 +269,17 @@ class Scheduler:
 
     def _after_decode(self, batch: list[Req], result: StepResult) -> None:
         drafts, locs, self.drafts, self.draft_locs = self.drafts, self.draft_locs, [], []
-        before = sum(len(r.output_ids) for r in batch)
+        before = [len(r.output_ids) for r in batch]
         for i, req in enumerate(batch):
             if drafts and drafts[i]:
                 self._take_drafted(req, result, i, drafts[i], locs[i])
             else:
                 self._append_token(req, result, i, joined=False)
-        self.decode_tokens += sum(len(r.output_ids) for r in batch) - before
+            if self.spec is not None:
+                drafted = len(drafts[i]) if drafts else 0
+                kept = result.accepted[i] if drafted and result.accepted else 0
+                self.spec.observe(req, drafted, kept, req.output_ids[before[i]])
+        self.decode_tokens += sum(len(r.output_ids) for r in batch) - sum(before)
         self.decode_rows += len(batch)
         self.decode_steps += 1
         if self.decode_steps % self.args.decode_log_interval == 0:
@@ -319,7 +323,6 @@ class Scheduler:
             if req.finish_reason is not None:
                 break
         self.kv.keep_draft_slots(req, locs[: n - 1], locs[n - 1 :])
-        self.spec.observe(req, len(draft), accepted)
         self._after_tokens(req, joined=False)
 
     def _apply_aborts(self) -> None:

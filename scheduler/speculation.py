@@ -12,10 +12,14 @@ position after its latest occurrence makes that O(1) a step. A match that runs i
 end of the history continues periodically (a loop of period p repeats), so a row that
 loops drafts its full K.
 
-Adaptive: a row whose drafts keep failing stops drafting for a while, doubling each
-time, so text that does not repeat itself pays (almost) nothing for speculation. Rows
-with penalties, logit bias, logprobs or a grammar never draft: their next token depends
-on state the drafts would have to replay.
+Adaptive: a row drafts only while its drafts pay. It starts in shadow: each step its
+proposal is computed (a dict lookup) but not sent, and compared with the token the
+model then produced; SHADOW_HITS hits in a row switch drafting on. A drafting row whose
+drafts keep failing (below LOW_ACCEPTANCE of its draft tokens kept over WINDOW steps)
+goes back to shadow. So text that does not repeat itself never pays for a verify step,
+and a row whose output starts to loop drafts from the next steps on. Rows with
+penalties, logit bias, logprobs or a grammar never draft: their next token depends on
+state the drafts would have to replay.
 """
 
 from __future__ import annotations
@@ -26,13 +30,9 @@ from scheduler.request import Req
 
 MIN_NGRAM = 2
 MAX_NGRAM = 4
-# A row's acceptance is judged over this many drafting steps: below LOW_ACCEPTANCE of
-# its draft tokens kept, it pauses for `pause` steps (from FIRST_PAUSE, doubling to
-# MAX_PAUSE while it keeps failing; a good window resets it).
-WINDOW = 4
-LOW_ACCEPTANCE = 0.3
-FIRST_PAUSE = 16
-MAX_PAUSE = 1024
+WINDOW = 4  # drafting steps over which a row's acceptance is judged
+LOW_ACCEPTANCE = 0.3  # share of draft tokens kept below which a row goes back to shadow
+SHADOW_HITS = 2  # first-token hits in a row that switch a shadow row to drafting
 
 
 @dataclass
@@ -69,26 +69,31 @@ class NgramIndex:
 
 @dataclass
 class DraftState:
-    """One request's speculation: its history index and its acceptance record."""
+    """One request's speculation: its history index and whether its drafts pay."""
 
     index: NgramIndex
-    seen: int  # tokens of the request's fill indexed so far
+    seen: int = 0  # tokens of the request's fill indexed so far
+    drafting: bool = False
+    shadow: int | None = None  # the first token a shadow row would have drafted
+    hits: int = 0  # shadow hits in a row
     drafted: int = 0  # draft tokens sent in the current window
     kept: int = 0
     steps: int = 0  # drafting steps in the current window
-    pause: int = 0  # steps left without drafting
-    next_pause: int = FIRST_PAUSE
 
-    def observe(self, drafted: int, kept: int) -> None:
+    def observe(self, drafted: int, kept: int, first: int) -> None:
+        """After a step: `drafted` tokens sent, `kept` of them accepted, `first` the
+        first token the step produced."""
+        if not self.drafting:
+            self.hits = self.hits + 1 if first == self.shadow else 0
+            self.drafting = self.hits >= SHADOW_HITS
+            return
         self.drafted += drafted
         self.kept += kept
         self.steps += 1
         if self.steps < WINDOW:
             return
         if self.kept < LOW_ACCEPTANCE * self.drafted:
-            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
-        else:
-            self.next_pause = FIRST_PAUSE
+            self.drafting, self.hits = False, 0
         self.drafted = self.kept = self.steps = 0
 
 
@@ -114,27 +119,25 @@ class NgramSpeculation:
             return []
         state = self.rows.get(req.rid)
         if state is None:
-            state = self.rows[req.rid] = DraftState(NgramIndex(), 0)
+            state = self.rows[req.rid] = DraftState(NgramIndex())
         fill = req.fill_ids
         state.index.extend(fill[state.seen :])
         state.seen = len(fill)
-        if state.pause:
-            state.pause -= 1
-            return []
         room = min(req.remaining_new_tokens - 1, context_len - len(fill) - 1)
-        return state.index.propose(min(self.k, room)) if room > 0 else []
+        draft = state.index.propose(min(self.k, room)) if room > 0 else []
+        if state.drafting:
+            return draft
+        state.shadow = draft[0] if draft else None
+        return []
 
-    def observe(self, req: Req, drafted: int, kept: int) -> None:
-        if drafted:
-            self.rows[req.rid].observe(drafted, kept)
+    def observe(self, req: Req, drafted: int, kept: int, first: int) -> None:
+        state = self.rows.get(req.rid)
+        if state is not None:
+            state.observe(drafted, kept, first)
 
     def active(self, reqs: list[Req]) -> bool:
         """Whether any of `reqs` may draft at its next step."""
-        return any(self.eligible(r) and not self._paused(r) for r in reqs)
-
-    def _paused(self, req: Req) -> bool:
-        state = self.rows.get(req.rid)
-        return state is not None and state.pause > 1
+        return any((state := self.rows.get(r.rid)) is not None and state.drafting for r in reqs)
 
     def forget(self, rid: str) -> None:
         self.rows.pop(rid, None)

@@ -250,3 +250,15 @@ def test_plots_are_written(tmp_path):
     assert [p.name for p in paths] == ["throughput_vs_concurrency.png", "ttft_distribution.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+
+
+def test_code_edit_workload_holds_its_text_and_asks_for_it_back(endpoint, tokenizer):
+    spec = WorkloadSpec("code-edit", dict(num_prompts=3, text_len=40, output_len=8))
+    factory = PromptFactory(tokenizer, 3)
+    n = len(factory.specials)
+    for s in build_sessions(spec, factory):
+        ids = s.turns[0].ids
+        assert len(ids) == 40 + 12 + 2 + 10  # text, instruction, the edit, the text again
+        assert ids[-10:] == ids[n + 2 : n + 12]
+    run, m = _run(endpoint, tokenizer, spec, max_concurrency=3)
+    _check_consistent(run, m)

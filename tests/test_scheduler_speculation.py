@@ -42,9 +42,9 @@ def test_drafts_are_verified_and_outputs_unchanged(make_harness):
 
 
 def test_tiny_pool_with_drafts_evicts_and_retracts(make_harness):
-    h, sent = _spec_harness(make_harness, 160, k=6)
+    h, sent = _spec_harness(make_harness, 128, k=6)
     rng = random.Random(4)
-    for i in range(14):
+    for i in range(16):
         h.submit(f"t{i}", toks(rng, rng.randrange(4, 30)), rng.randrange(20, 60),
                  period=rng.choice([2, 4, None]))  # fmt: skip
     stats = h.wait_idle(timeout=30)
