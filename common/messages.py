@@ -4,6 +4,7 @@ Three links (see docs/architecture.md):
   client SDK <-> router      Client* messages on the router's ZMQ front door
   router <-> scheduler       GenerateReq / AbortReq down, TokenOutBatch / ReqError up
   scheduler <-> worker       ExtendBatch / DecodeBatch / ReleaseBatch down, StepResult up
+  router <-> remote replica  the router <-> scheduler messages, ReplicaPing / ReplicaStatus
 Each receiver decodes with its own registry below, so a message sent to the wrong socket
 is rejected as unknown rather than misread.
 """
@@ -301,6 +302,51 @@ class WorkerError:
     message: str
 
 
+# ---------------------------------------------------------------- router <-> remote replica
+# The link carries the router <-> scheduler messages as they are, one frame each, and its
+# own (ReplicaPing up; ReplicaStatus, ReplicaFrameError down) as two frames, REPLICA_CONTROL
+# and the message, so a router passes the scheduler's frames on without decoding them twice.
+
+REPLICA_CONTROL = b"radix-mlx-replica"
+
+
+@dataclass
+class ModelIdentity:
+    """What a replica serves (common/model_identity.py): a router refuses other models."""
+
+    model_type: str
+    vocab_size: int
+    digest: str  # SHA-256 (hex) of config.json and the tokenizer files
+
+
+@dataclass
+class ReplicaPing:
+    """router -> replica, every 0.5 s from connecting: the replica answers each with a
+    ReplicaStatus and forgets (aborting its requests) a router it has not heard from."""
+
+    router: str  # who is asking, for the replica's log
+
+
+@dataclass
+class ReplicaStatus:
+    """replica -> router: the answer to every ping and news of every change of state.
+    `instance` is new at each start of the replica process; `ready` is its scheduler's
+    report, None until it is serving."""
+
+    identity: ModelIdentity
+    instance: str
+    state: str  # "starting", "ready", "restarting" or "stopped"
+    reason: str = ""
+    ready: SchedulerReady | None = None
+
+
+@dataclass
+class ReplicaFrameError:
+    """replica -> router: a frame the replica could not use and that named no request."""
+
+    message: str
+
+
 # ---------------------------------------------------------------- SDK <-> router
 
 
@@ -369,3 +415,5 @@ ROUTER_INBOX = _registry(TokenOutBatch, ReqError, SchedulerReady, SchedulerStats
 WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch)
 FRONTDOOR_INBOX = _registry(ClientGenerate, ClientAbort)
 CLIENT_INBOX = _registry(ClientResult, ClientError)
+REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing)
+REPLICA_CONTROL_INBOX = _registry(ReplicaStatus, ReplicaFrameError)

@@ -129,6 +129,27 @@ class ServerArgs:
         "append timestamped events of every process there "
         "(python -m benchmarks.trace_report DIR reads them)",
     )
+    replica: list[str] | None = flag(
+        None,
+        "serve: attach the remote replica `radix-mlx replica` listens at (repeatable)",
+        metavar="tcp://HOST:PORT",
+        action="extend",
+    )
+    listen: str = flag(
+        "tcp://127.0.0.1:31000",
+        "replica: where it waits for routers (a non-loopback address needs CURVE keys)",
+    )
+    curve_secret_key: str | None = flag(
+        None,
+        "this process's CURVE secret key file (router.key_secret or replica.key_secret "
+        "from `radix-mlx keys`): encrypt and authenticate the router-replica links",
+    )
+    curve_server_key: str | None = flag(
+        None, "serve: the replicas' CURVE public key file (replica.key)"
+    )
+    curve_authorized_keys: str | None = flag(
+        None, "replica: directory of the routers' CURVE public keys (*.key) it admits"
+    )
 
     def validate(self) -> None:
         """Raise ValueError with the flag name for a value that cannot work."""
@@ -156,12 +177,17 @@ class ServerArgs:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
-        if self.dp_size < 1:
-            raise ValueError("--dp-size must be >= 1")
+        if self.dp_size < 0 or (self.dp_size == 0 and not self.replica):
+            raise ValueError("--dp-size must be >= 1, or 0 with --replica")
         if not 0 <= self.cache_threshold <= 1:
             raise ValueError("--cache-threshold must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("--balance-abs-threshold must be >= 0, --balance-rel-threshold >= 1")
+        for address in self.replica or []:
+            if not address.startswith("tcp://"):
+                raise ValueError(f"--replica {address}: expected tcp://HOST:PORT")
+        if self.replica and bool(self.curve_secret_key) != bool(self.curve_server_key):
+            raise ValueError("--curve-secret-key and --curve-server-key go together")
 
     @property
     def model_name(self) -> str:

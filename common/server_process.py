@@ -11,7 +11,8 @@ import httpx
 
 
 class ServerProcess:
-    """Runs `cmd`, waits until `url`/health answers 200, and always stops it."""
+    """Runs `cmd`, waits until it is `ready()` (`url`/health answers 200), and always
+    stops it."""
 
     def __init__(self, cmd: list[str], url: str, log_path: Path, env: dict | None = None):
         self.cmd, self.url, self.env = cmd, url, env
@@ -34,14 +35,18 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.ready():
+                return
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+
+    def ready(self) -> bool:
+        """Whether it serves: /health answers 200 (a subclass may ask otherwise)."""
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def log(self, tail: int | None = None) -> str:
         text = self.log_path.read_text(errors="replace")

@@ -30,6 +30,8 @@ import zmq.asyncio
 from common.child_process import set_title
 from common.ipc import Endpoints
 from common.log import setup_logging
+from common.messages import ModelIdentity
+from common.model_identity import model_identity
 from common.server_args import ServerArgs
 from common.trace import Trace
 from router.frontdoor import FrontDoor
@@ -37,6 +39,7 @@ from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
 from router.model_files import ModelNotFound, load_tokenizer, resolve_model_path
+from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
 from router.supervisor import Children, Supervision, Supervisor
@@ -64,15 +67,17 @@ def serve(args: ServerArgs) -> int:
     children = _replica_children(child_args, runtime_dir)
     for replica in children if _start_together(args) else children[:1]:
         replica.start()
+    # what holds the `stopping` event every child shares (no processes with --dp-size 0)
+    anchor = children[0] if children else Children(child_args, None)
 
     def stop_now(*_):  # before HTTP serves (the model loads): nothing to drain yet
-        children[0].stopping.set()
+        anchor.stopping.set()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop_now)
     signal.signal(signal.SIGINT, stop_now)
     try:
-        return uvloop.run(_main(args, tokenizer, children))
+        return uvloop.run(_main(args, tokenizer, children, anchor, model_identity(model_dir)))
     finally:
         for replica in children:
             replica.stop()
@@ -96,7 +101,7 @@ def _replica_children(args: ServerArgs, runtime_dir: str) -> list[Children]:
 
 def _start_together(args: ServerArgs) -> bool:
     """All replicas at once, unless later ones must take the first one's pool size."""
-    return args.dp_size == 1 or args.max_total_tokens is not None
+    return args.dp_size <= 1 or args.max_total_tokens is not None
 
 
 class _Server(uvicorn.Server):
@@ -154,7 +159,8 @@ class Shutdown:
         self.server.should_exit = True
 
 
-async def _main(args: ServerArgs, tokenizer, children: list[Children]) -> int:
+async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: Children,
+                identity: ModelIdentity) -> int:  # fmt: skip
     metrics = Metrics()
     ctx = zmq.asyncio.Context()
     replicas = ReplicaSet([
@@ -168,6 +174,7 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children]) -> int:
     supervisor = Supervision([
         Supervisor(c, r, manager, metrics, args.max_restarts) for c, r in zip(children, replicas)
     ])  # fmt: skip
+    attach_remote_replicas(manager, args, identity, ctx)  # after the local ones: r{dp_size}...
     receiver = asyncio.create_task(manager.receive_loop())
     try:
         failure = await _start_up(args, children, supervisor)
@@ -178,7 +185,7 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children]) -> int:
         zmq_port = args.zmq_port or args.port + 1
         frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer, args.api_key)
         door = asyncio.create_task(frontdoor.serve())
-        shutdown = Shutdown(manager, children[0], args.graceful_shutdown_timeout)
+        shutdown = Shutdown(manager, anchor, args.graceful_shutdown_timeout)
         server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics),
                                            shutdown.on_signal)  # fmt: skip
         watcher = asyncio.create_task(_supervise(supervisor, server))

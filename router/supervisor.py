@@ -205,6 +205,8 @@ class Supervision:
     async def watch(self) -> str:
         """The give-up line once every replica is given up ("" after a failure during a
         drain)."""
+        if not self.supervisors:  # remote replicas only: nothing of ours to give up
+            await asyncio.Event().wait()
         tasks = {asyncio.create_task(s.watch()): s for s in self.supervisors}
         line = ""
         try:

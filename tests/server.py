@@ -79,3 +79,20 @@ def checked_server(model: str, log_path: Path, extra: list[str]):
         srv.stop()
     assert alive, "the server died during the tests:\n" + srv.log()[-3000:]
     assert "Traceback" not in srv.log()
+
+
+class ReplicaProcess(ServerProcess):
+    """A real `radix-mlx replica` listening on a loopback port (a free one by default)."""
+
+    READY = "waiting for routers"  # its log line once its scheduler and worker are ready
+
+    def __init__(self, model: str, log_path: Path, extra: list[str] | None = None, port=None):
+        self.port = port or free_ports(1)[0]
+        self.model = model
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        cmd = [RADIX_MLX, "replica", "--model-path", model, "--listen", self.address,
+               *(extra or [])]  # fmt: skip
+        _Process.__init__(self, cmd, self.address, log_path, dict(os.environ, HF_HUB_OFFLINE="1"))
+
+    def ready(self) -> bool:
+        return self.READY in self.log()

@@ -26,8 +26,12 @@ from common.messages import (
     ExtendBatch,
     ExtendReq,
     GenerateReq,
+    ModelIdentity,
     ReleaseBatch,
     ReleaseReq,
+    ReplicaFrameError,
+    ReplicaPing,
+    ReplicaStatus,
     ReqError,
     SamplingParams,
     SchedulerReady,
@@ -116,6 +120,7 @@ EXTEND_REQS = [
     ),
 ]
 RELEASES = [ReleaseReq(rid="x", flush=True), ReleaseReq(rid="y", flush=False)]
+IDENTITY = ModelIdentity(model_type="qwen3", vocab_size=512, digest="ab" * 32)
 
 EXAMPLES: dict[type, list] = {
     GenerateReq: [
@@ -147,6 +152,18 @@ EXAMPLES: dict[type, list] = {
         )
     ],
     WorkerHung: [WorkerHung(step=7, seconds=301.5)],
+    ReplicaPing: [ReplicaPing(router="mac-1:4242")],
+    ReplicaStatus: [
+        ReplicaStatus(IDENTITY, "0a1b2c3d4e5f", "starting"),
+        ReplicaStatus(
+            IDENTITY,
+            "0a1b2c3d4e5f",
+            "ready",
+            "",
+            SchedulerReady(num_slots=64, max_running_requests=8, context_len=512, model_type="x"),
+        ),
+    ],
+    ReplicaFrameError: [ReplicaFrameError("expected 1 frame, got 3")],
     ExtendBatch: [
         ExtendBatch(step=5, reqs=EXTEND_REQS, release=RELEASES),
         ExtendBatch(step=0, reqs=EXTEND_REQS[:1]),

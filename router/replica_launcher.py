@@ -1,0 +1,110 @@
+"""`radix-mlx replica --model-path M --listen tcp://HOST:PORT`: start, supervise, stop.
+
+Exit status: 2 for flags that cannot work (a non-loopback --listen without CURVE keys, a
+key file that cannot be read, an address in use), 1 when the model cannot be served or
+the children crash-loop (--max-restarts), 0 after SIGTERM or SIGINT. Requests in flight
+when the replica stops fail at their router with a 503 naming the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+import signal
+import tempfile
+
+import uvloop
+import zmq
+
+from common.child_process import set_title
+from common.ipc import Endpoints
+from common.log import setup_logging
+from common.model_identity import describe, model_identity
+from common.server_args import ServerArgs
+from router.metrics import Metrics
+from router.model_files import ModelNotFound, resolve_model_path
+from router.replica_server import ReplicaServer, replica_args_problem
+from router.supervisor import Children, Supervisor
+
+logger = logging.getLogger("replica")
+FLUSH_WAIT = 0.1  # seconds for the last statuses and errors to leave before the sockets close
+
+
+def run_replica(args: ServerArgs) -> int:
+    set_title("replica")
+    setup_logging("replica", args.log_level)
+    problem = replica_args_problem(args)
+    if problem:
+        logger.error("%s", problem)
+        return 2
+    try:
+        args.validate()
+        model_dir = resolve_model_path(args.model_path)
+    except (ValueError, ModelNotFound) as exc:
+        logger.error("%s", exc)
+        return 1
+    child_args = dataclasses.replace(args, model_path=model_dir)
+    runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
+    endpoints = Endpoints.ipc(runtime_dir)
+    children = Children(child_args, endpoints)
+    try:
+        return uvloop.run(_main(child_args, endpoints, children))
+    finally:
+        children.stop()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> int:
+    identity = model_identity(args.model_path)
+    try:
+        server = ReplicaServer(args, endpoints, identity)
+    except (ValueError, zmq.ZMQError) as exc:
+        logger.error("cannot listen on %s: %s", args.listen, exc)
+        return 2
+    children.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, children, stop, sig)
+    keys = "CURVE keys" if args.curve_secret_key else "no keys: loopback only"
+    logger.info("listening on %s (%s) for routers; %s", args.listen, keys, describe(identity))
+    loops = [server.front_loop(), server.scheduler_loop(), server.forget_silent_routers()]
+    tasks = [asyncio.create_task(c) for c in loops]
+    supervisor = Supervisor(children, server.local, server, Metrics(), args.max_restarts)
+    life = asyncio.create_task(_serve(server, supervisor))
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({life, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if life.done():
+            return life.result()
+        server.stopped("the replica stopped")
+        await asyncio.sleep(FLUSH_WAIT)
+        return 0
+    finally:
+        for task in (*tasks, life, stopped):
+            task.cancel()
+        server.close()
+
+
+def _on_signal(children: Children, stop: asyncio.Event, sig: int) -> None:
+    logger.info("%s: stopping", signal.Signals(sig).name)
+    children.stopping.set()
+    stop.set()
+
+
+async def _serve(server: ReplicaServer, supervisor: Supervisor) -> int:
+    failure = await supervisor.wait_ready()
+    if failure is not None:
+        logger.error("start-up failed: %s", failure[1])
+        server.stopped(f"start-up failed: {failure[1]}")
+        await asyncio.sleep(FLUSH_WAIT)
+        return 1
+    server.serving()
+    logger.info("ready: KV pool %d tokens; waiting for routers", server.local.ready.num_slots)
+    line = await supervisor.watch()
+    if line:
+        logger.error("%s", line)
+        return 1
+    return 0
