@@ -11,12 +11,15 @@ several batch sizes the decode throughput of each against the first is printed. 
 new tokens. With --compare-mlx-lm it also times mlx-lm's own decode step (generate_step
 at batch 1, BatchGenerator above, with mlx's own kernels) in the same run and prints the
 ratio.
-Decode steps run with the server's lookahead unless --no-overlap.
+Decode steps run with the server's lookahead unless --no-overlap. With --kv-cache-dtype
+A B ... each pool storage gets its own pool and runner, their rounds alternate in one run,
+and each one's decode step and tokens per byte of pool are printed against the first's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -162,49 +165,79 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _benchmark(model, layout, args: argparse.Namespace, backend: Backend) -> list[dict]:
-    """A warm-up pass per batch size, then `rounds` benchmark passes with batch sizes in
-    turn (so noise spreads over all of them); one row per batch size, its median pass."""
+    """A warm-up pass per batch size and pool storage, then `rounds` benchmark passes with
+    batch sizes and storages in turn (so noise spreads over all of them); one row per
+    storage and batch size, its median pass."""
     need = (
         args.cached_prefix_len
         + (args.rounds + 1) * sum(args.batch_size) * (args.input_len + args.output_len)
         + 64
     )
-    pool = MlxKVPool(layout, need)
-    runner = ModelRunner(
-        model, pool, model.args.vocab_size, prefill_step=backend.prefill_step,
-        compile_decode=backend.compile_decode,
-    )  # fmt: skip
-    slots = SlotList(need)
-    prefix_slots = _cached_prefix(runner, slots, args)
+    setups = {}  # storage -> (runner, slots, the cached prefix's slots)
+    for kv_dtype in args.kv_cache_dtype:
+        pool = MlxKVPool(dataclasses.replace(layout, kv_cache_dtype=kv_dtype), need)
+        runner = ModelRunner(
+            model, pool, model.args.vocab_size, prefill_step=backend.prefill_step,
+            compile_decode=backend.compile_decode,
+        )  # fmt: skip
+        slots = SlotList(need)
+        setups[kv_dtype] = runner, slots, _cached_prefix(runner, slots, args)
     prompts = {bs: _prompts(bs, args) for bs in args.batch_size}
-    timed: dict[int, list[dict]] = {bs: [] for bs in args.batch_size}
+    timed: dict[tuple[str, int], list[dict]] = {}
     for tag, rounds in (("warmup", 1), ("benchmark", args.rounds)):
         for _ in range(rounds):
-            for bs in args.batch_size:
+            for (kv_dtype, (runner, slots, prefix_slots)), bs in _each(setups, args.batch_size):
                 res = run_batch(
                     runner, slots, prompts[bs], prefix_slots, args.output_len, tag,
                     not args.no_overlap,
                 )  # fmt: skip
                 if tag == "warmup":
-                    print(_header(tag, bs, args))
+                    print(_header(tag, bs, args, kv_dtype))
                     report(res, bs, args.input_len, args.output_len, args.verbose)
                 else:
-                    timed[bs].append(res)
+                    timed.setdefault((kv_dtype, bs), []).append(res)
     rows = []
-    for bs in args.batch_size:
+    for (kv_dtype, (runner, _, _)), bs in _each(setups, args.batch_size):
         many = f", median of {args.rounds} passes" if args.rounds > 1 else ""
-        print(_header("benchmark", bs, args) + many)
-        res = sorted(timed[bs], key=lambda r: statistics.median(r["decode"]))[args.rounds // 2]
-        row = report(res, bs, args.input_len, args.output_len, args.verbose)
+        print(_header("benchmark", bs, args, kv_dtype) + many)
+        res = sorted(timed[kv_dtype, bs], key=lambda r: statistics.median(r["decode"]))
+        row = report(res[args.rounds // 2], bs, args.input_len, args.output_len, args.verbose)
         row.update(
             batch_size=bs,
             input_len=args.input_len,
             output_len=args.output_len,
             cached_prefix_len=args.cached_prefix_len,
             rounds=args.rounds,
+            kv_cache_dtype=kv_dtype,
+            kv_bytes_per_token=runner.pool.layout.bytes_per_slot,
         )
         rows.append(row)
+    _print_storage_ratios(rows)
     return rows
+
+
+def _each(setups: dict, batch_sizes: list[int]) -> list:
+    return [(setup, bs) for setup in setups.items() for bs in batch_sizes]
+
+
+def _print_storage_ratios(rows: list[dict]) -> None:
+    """Each storage's decode step and tokens per pool byte against the first storage's, at
+    the same batch size (kept in its row for the JSONL)."""
+    first = {}
+    for row in rows:
+        base = first.setdefault(row["batch_size"], row)
+        if base is row:
+            continue
+        row["decode_latency_vs_first_storage"] = step = (
+            row["median_decode_latency"] / base["median_decode_latency"]
+        )
+        row["tokens_per_byte_vs_first_storage"] = room = (
+            base["kv_bytes_per_token"] / row["kv_bytes_per_token"]
+        )
+        print(
+            f"{row['kv_cache_dtype']} / {base['kv_cache_dtype']}, batch size "
+            f"{row['batch_size']}: decode step {step:.3f}x, tokens in the same memory {room:.2f}x"
+        )
 
 
 def _compare_with_mlx_lm(model, rows: list[dict], args: argparse.Namespace) -> None:
@@ -220,10 +253,10 @@ def _compare_with_mlx_lm(model, rows: list[dict], args: argparse.Namespace) -> N
         )
 
 
-def _header(tag: str, bs: int, args: argparse.Namespace) -> str:
+def _header(tag: str, bs: int, args: argparse.Namespace, kv_dtype: str = "auto") -> str:
     return (
         f"--- {tag}: batch size {bs}, input {args.input_len} "
-        f"(+{args.cached_prefix_len} cached), output {args.output_len}"
+        f"(+{args.cached_prefix_len} cached), output {args.output_len}, KV {kv_dtype}"
     )
 
 
@@ -254,11 +287,12 @@ def _print_scaling(rows: list[dict]) -> None:
     """Decode throughput of each batch size against the first one's: printed, and kept in
     its row (`decode_throughput_vs_first_batch`) for the JSONL; with --compare-mlx-lm,
     mlx-lm's own ratio beside it (`mlx_lm_decode_throughput_vs_first_batch`), since a
-    faster batch 1 makes the ratio smaller."""
-    if len(rows) < 2:
-        return
-    first = rows[0]
-    for row in rows[1:]:
+    faster batch 1 makes the ratio smaller. Per pool storage."""
+    firsts: dict[str, dict] = {}
+    for row in rows:
+        first = firsts.setdefault(row["kv_cache_dtype"], row)
+        if first is row:
+            continue
         ratio = row["median_decode_throughput"] / first["median_decode_throughput"]
         row["decode_throughput_vs_first_batch"] = ratio
         line = f"Decode throughput, batch size {row['batch_size']} / batch size "
@@ -300,6 +334,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--disable-cpu-kernels", action="store_true", help="as the server flag")
     p.add_argument("--no-overlap", action="store_true", help="decode without the lookahead")
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "bf16", "fp16", "int8", "int4"],
+        help="pool storages to time, in turn (as the server flag); ratios against the first",
+    )
     p.add_argument(
         "--rounds",
         type=int,

@@ -44,3 +44,20 @@ def test_mlx_lm_comparison_and_its_own_scaling(tiny_model, tmp_path, capsys):
     assert rows[1]["mlx_lm_decode_throughput_vs_first_batch"] == own
     ratio = rows[1]["decode_throughput_vs_first_batch"]
     assert f"batch size 2 / batch size 1: {ratio:.2f}x (mlx-lm's own: {own:.2f}x)" in printed
+
+
+def test_pool_storages_alternate_and_are_compared(tiny_model, tmp_path, capsys):
+    rows = one_batch.main(
+        ["--model-path", tiny_model, "--batch-size", "2", "--input-len", "8", "--output-len", "5"]
+        + ["--kv-cache-dtype", "auto", "fp16", "--rounds", "2"]
+        + ["--result-file", str(tmp_path / "r.jsonl")]
+    )
+    printed = capsys.readouterr().out
+    assert [r["kv_cache_dtype"] for r in rows] == ["auto", "fp16"]
+    auto, fp16 = rows
+    assert auto["kv_bytes_per_token"] == 2 * fp16["kv_bytes_per_token"]  # float32 vs fp16
+    step = fp16["median_decode_latency"] / auto["median_decode_latency"]
+    assert fp16["decode_latency_vs_first_storage"] == step
+    assert fp16["tokens_per_byte_vs_first_storage"] == 2.0
+    want = f"fp16 / auto, batch size 2: decode step {step:.3f}x, tokens in the same memory 2.00x"
+    assert want in printed

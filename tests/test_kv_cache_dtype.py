@@ -254,3 +254,24 @@ def test_int8_server_reuses_a_quantized_prefix(small_model, tmp_path):
         assert f"x {per_slot} bytes" in log and "stored as int8 (group 64)" in log, log[-2000:]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("arch", ["mistral_swa", "qwen3_5"])
+def test_windows_and_recurrent_layers_run_batched_on_an_int8_pool(model_cache, arch):
+    """Sliding-window layers (mlx-lm has no quantized rotating cache to compare with) and
+    a hybrid's attention layers store int8 KV, the recurrent states stay as they are: the
+    worker's start-up self-check (batched against one by one, tokens and logprobs) holds."""
+    from common.tiny_model import ensure_tiny_model
+    from worker_mlx.loader import batched_path_works
+    from worker_mlx.model_probe import probe_layout
+
+    path = str(ensure_tiny_model(model_cache, preset="small", arch=arch))
+    model, _ = load_model(path)
+    kv, states = probe_layout(model)
+    assert (kv.head_dim, bool(kv.windows), states is not None) == (
+        64,
+        arch == "mistral_swa",
+        arch == "qwen3_5",
+    )
+    int8 = dataclasses.replace(kv, kv_cache_dtype="int8")
+    assert batched_path_works(model, int8, 512, compile_decode=True, state_layout=states)
