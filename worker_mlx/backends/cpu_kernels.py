@@ -13,9 +13,10 @@ SiLU and the attention softmax were over half of a prefill. Two replacements:
   MLX fuses into one kernel: 3-4 ns an element, and closer to the true exp (relative error
   < 1e-7) than `mx.exp` itself (< 1e-6).
 
-`install(model)` routes the model's `swiglu` and `scaled_dot_product_attention` (module
-globals of its mlx-lm model file) through these, after checking they agree with the stock
-functions, and gives its RoPE modules a table of angles (`cpu_rope`). Only the worker calls
+`install(model)` routes the model's `swiglu`, `precise_swiglu`, `scaled_dot_product_attention`
+and `gated_delta_update` (module globals of the mlx-lm files its classes come from) through
+these and `cpu_gated_delta`, after checking they agree with the stock functions, and gives
+its RoPE modules a table of angles (`cpu_rope`). Only the worker calls
 it, so only the worker process is changed.
 """
 
@@ -30,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from worker_mlx.backends import cpu_rope
+from worker_mlx.backends import cpu_gated_delta, cpu_rope
 
 logger = logging.getLogger("worker")
 
@@ -90,6 +91,12 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
             return out
     g = gate.astype(mx.float32)
     return (g / (1.0 + fast_exp(-g)) * x).astype(x.dtype)
+
+
+def precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
+    """silu(gate) * x in float32, cast to h's dtype, as mlx-lm's activations.precise_swiglu
+    (the gated RMSNorm of Qwen3-Next / Qwen3.5)."""
+    return swiglu(gate.astype(mx.float32), x.astype(mx.float32)).astype(h.dtype)
 
 
 def softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
@@ -245,35 +252,49 @@ def _one_query_attention(
 
 
 def install(model: nn.Module) -> Callable[[], None] | None:
-    """Use these kernels for `model` if its mlx-lm module uses the stock functions; returns
-    a function that puts the stock ones back, or None. The CPU backend calls it: the device
-    was chosen there (`backends.select`)."""
-    module = sys.modules.get(type(model).__module__)
+    """Use these kernels for `model` wherever its mlx-lm modules use the stock functions
+    (a model's classes may come from several: Qwen3.5's MLP, attention and gated norm are
+    Qwen3-Next's); returns a function that puts the stock ones back, or None. The CPU
+    backend calls it: the device was chosen there (`backends.select`)."""
     stock = _stock_functions()
-    swaps = {
-        name: fast
-        for name, fast in (
-            ("swiglu", swiglu),
-            ("scaled_dot_product_attention", _sdpa_or_stock(stock["scaled_dot_product_attention"])),
-        )
-        if module is not None and getattr(module, name, None) is stock[name]
+    fast = {
+        "swiglu": swiglu,
+        "precise_swiglu": precise_swiglu,
+        "scaled_dot_product_attention": _sdpa_or_stock(stock["scaled_dot_product_attention"]),
+        "gated_delta_update": cpu_gated_delta.gated_delta_update,
     }
+    swaps = [
+        (module, name)
+        for module in _model_modules(model)
+        for name in fast
+        if getattr(module, name, None) is stock[name]
+    ]
+    names = sorted({name for _, name in swaps})
     if not swaps or not agrees_with_stock():
         return None
-    for name, fast in swaps.items():
-        setattr(module, name, fast)
+    if "gated_delta_update" in names and not cpu_gated_delta.agrees_with_stock():
+        logger.warning("the CPU gated-delta step disagrees with mlx-lm's; keeping mlx-lm's")
+        swaps = [(m, name) for m, name in swaps if name != "gated_delta_update"]
+    for module, name in swaps:
+        setattr(module, name, fast[name])
     ropes = cpu_rope.install(model) if cpu_rope.agrees_exactly() else []
     logger.info(
-        "CPU kernels: %s use the vectorised exp; %d RoPE modules look up their angles",
-        ", ".join(sorted(swaps)), len(ropes),
+        "CPU kernels in place of mlx-lm's %s; %d RoPE modules look up their angles",
+        ", ".join(sorted({name for _, name in swaps})), len(ropes),
     )  # fmt: skip
 
     def uninstall() -> None:
-        for name in swaps:
+        for module, name in swaps:
             setattr(module, name, stock[name])
         cpu_rope.uninstall(ropes)
 
     return uninstall
+
+
+def _model_modules(model: nn.Module) -> list:
+    """The mlx-lm modules (Python files) that define `model`'s classes, the model's first."""
+    names = [type(model).__module__] + [type(m).__module__ for m in model.modules()]
+    return [sys.modules[n] for n in dict.fromkeys(names) if n.startswith("mlx_lm.")]
 
 
 def _stock_functions() -> dict[str, Callable]:
@@ -281,7 +302,9 @@ def _stock_functions() -> dict[str, Callable]:
 
     return {
         "swiglu": activations.swiglu,
+        "precise_swiglu": activations.precise_swiglu,
         "scaled_dot_product_attention": base.scaled_dot_product_attention,
+        "gated_delta_update": cpu_gated_delta.stock_update(),
     }
 
 
