@@ -4,12 +4,13 @@
    built offline): a 2,048-token prompt's cold time to first token against the same
    prompt again, which starts from the state snapshot at its last-but-one token and
    computes one token; decode throughput at batch 8 against batch 1.
-2. A sliding-window model (the `small` Mistral-style family, window set to 256; mlx-lm's
-   classes keep at least one global layer): the decode step at 4,096 tokens of context
-   against the step at 512.
+2. A sliding-window model whose layers are all local (the `small` local_swa family,
+   window set to 256): the decode step at 4,096 tokens of context against the step at
+   512. `--window-model` takes another, e.g. the mixed `mistral_swa`.
 
 Both run the worker's ModelRunner in-process, with the CPU backend's kernels, no server.
-Figures are medians of --rounds passes, printed as ratios to their baseline.
+Figures are medians of --rounds passes, printed as ratios to their baseline; the two
+sides of each ratio alternate within a pass, so the shared machine's drift hits both.
 """
 
 from __future__ import annotations
@@ -103,24 +104,25 @@ def hybrid(path: str, prompt_len: int, rounds: int) -> dict:
         if r:
             cold.append(t_cold)
             warm.append(t_warm)
-    throughput = {}
-    for bs in (1, 8):
-        reqs = [
-            ExtendReq(
-                f"d{bs}-{i}",
-                _prompt(128, 100 + i, vocab),
-                [],
-                b.slots.take(128),
-                GREEDY,
-                state_slot=b.new_state(),
-            )  # fmt: skip
-            for i in range(bs)
-        ]
-        b.extend(reqs)
-        steps = b.decode([r.rid for r in reqs], 40)[8:]
-        throughput[bs] = bs / statistics.median(steps)
-        b.runner.release([ReleaseReq(r.rid, flush=False) for r in reqs])
-        b.state = 0
+    steps = {1: [], 8: []}
+    for r in range(rounds):  # batch sizes alternate, so the machine's drift hits both
+        for bs in steps:
+            reqs = [
+                ExtendReq(
+                    f"d{bs}-{r}-{i}",
+                    _prompt(128, 100 + i, vocab),
+                    [],
+                    b.slots.take(128),
+                    GREEDY,
+                    state_slot=b.new_state(),
+                )  # fmt: skip
+                for i in range(bs)
+            ]
+            b.extend(reqs)
+            steps[bs].append(statistics.median(b.decode([r.rid for r in reqs], 40)[8:]))
+            b.runner.release([ReleaseReq(r.rid, flush=False) for r in reqs])
+            b.state = 0
+    throughput = {bs: bs / statistics.median(t) for bs, t in steps.items()}
     row = {
         "model": path,
         "cold_ttft_s": statistics.median(cold),
@@ -148,17 +150,16 @@ def window(path: str, window_size: int, contexts: tuple[int, int], rounds: int) 
         (model_dir / "config.json").write_text(json.dumps(config))
         b = Bench(str(model_dir), (max(contexts) + 64) * 2 * (rounds + 1))
         vocab = b.vocab
-        step = {}
-        for ctx in contexts:
-            times = []
-            for r in range(rounds + 1):
+        times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
+        for r in range(rounds + 1):  # contexts alternate; the first round warms up
+            for ctx in contexts:
                 req = ExtendReq(f"{ctx}-{r}", _prompt(ctx, r, vocab), [], b.slots.take(ctx), GREEDY)
                 b.extend([req])
                 t = b.decode([req.rid], 24)[4:]
                 b.runner.release([ReleaseReq(req.rid, flush=False)])
                 if r:
-                    times.append(statistics.median(t))
-            step[ctx] = statistics.median(times)
+                    times[ctx].append(statistics.median(t))
+        step = {ctx: statistics.median(t) for ctx, t in times.items()}
     lo, hi = contexts
     ratio = step[hi] / step[lo]
     kinds = config.get("layer_types", [])
@@ -172,14 +173,14 @@ def window(path: str, window_size: int, contexts: tuple[int, int], rounds: int) 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hybrid-model", help="default: the small qwen3_5 tiny model")
-    p.add_argument("--window-model", help="default: the small mistral_swa tiny model")
+    p.add_argument("--window-model", help="default: the small local_swa tiny model")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--result-file", default="bench_results/families.jsonl")
     args = p.parse_args(argv)
     hybrid_path = args.hybrid_model or str(ensure_tiny_model(preset="small", arch="qwen3_5"))
-    window_path = args.window_model or str(ensure_tiny_model(preset="small", arch="mistral_swa"))
+    window_path = args.window_model or str(ensure_tiny_model(preset="small", arch="local_swa"))
     rows = [
         hybrid(hybrid_path, args.prompt_len, args.rounds),
         window(window_path, args.window, (512, 4096), args.rounds),

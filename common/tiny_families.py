@@ -194,12 +194,32 @@ def _nemotron_h(config: Config) -> Config:
     }
 
 
+def _local_swa(config: Config) -> Config:
+    """Every layer windowed, none global: mlx-lm's Step-3.5 class, dense.
+
+    It is the one class here that builds without a global layer (llama, ministral3,
+    gemma3, cohere2 and gpt_oss all take a global layer's mask or cache).  Its layers are
+    llama's with q/k RMSNorms and a per-head sigmoid gate on the attention output;
+    ``moe_layers_enum`` names only the layer past the last, so no layer is sparse.
+    """
+    layers = config["num_hidden_layers"]
+    return {
+        **config,
+        "sliding_window": SLIDING_WINDOW,
+        "layer_types": ["sliding_attention"] * layers,
+        "num_attention_groups": config["num_key_value_heads"],
+        "moe_layers_enum": str(layers),
+        "tie_word_embeddings": False,  # mlx-lm's step3p5 always has its own lm_head
+    }
+
+
 FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", "qwen3"),
     "llama": Family("LlamaForCausalLM", "llama"),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2"),
     "mistral": Family("MistralForCausalLM", "mistral"),
     "mistral_swa": Family("MistralForCausalLM", "mistral", _sliding_window, min_layers=3),
+    "local_swa": Family("Step3p5ForCausalLM", "step3p5", _local_swa, min_layers=2),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", _gemma3, min_layers=4, norm_offset=1.0),
     "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss, min_layers=2),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3, min_layers=2),

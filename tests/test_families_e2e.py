@@ -21,7 +21,7 @@ from tests.test_eviction_e2e import _metric, _wait_idle, _workload
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["mistral_swa", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"]
+FAMILIES = ["mistral_swa", "local_swa", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -18,7 +18,7 @@ import pytest
 from common.messages import ReleaseReq
 from tests.test_model_runner import Harness, assert_parity, generate, random_prompt, reference
 
-FAMILIES = ["mistral_swa", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"]
+FAMILIES = ["mistral_swa", "local_swa", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"]
 LONG = 70  # > 4 windows of 16
 STEPS = 24  # > a window
 
@@ -39,7 +39,8 @@ def test_each_family_probes_to_its_layer_kinds(family):
         assert layout.windows == () and layout.v_head_dim is None
     else:
         assert windows and max(windows) * 4 <= LONG
-        assert None in layout.windows  # the families keep global layers too
+        # the families keep global layers too, but for the one built without any
+        assert (None in layout.windows) != ("local_swa" in family)
 
 
 @pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "eager"])

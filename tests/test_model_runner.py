@@ -283,6 +283,34 @@ def test_long_generation_through_the_compiled_step(tiny_model):
             assert lowest <= c < width
 
 
+def test_a_window_reads_exactly_its_columns_at_every_width():
+    """Where a compiled width reaches further back than the window, a windowed layer
+    reads the `window` columns that end at the written one: its mask there equals the
+    full-width mask, and no column outside the block is visible to any row."""
+    import mlx.core as mx
+
+    from worker_mlx.decode_step import attention_width
+    from worker_mlx.layer_caches import StepColumns
+
+    window, cap = 16, 1024
+    left_pad = mx.array([0, 3, 40])
+    moved = 0
+    for c in range(0, cap, 7):
+        width, lowest = attention_width(c, cap)
+        columns = StepColumns(mx.array([c]), left_pad, width, lowest)
+        static = columns.full & (columns.cols > c - window)  # every column, window-masked
+        if not columns.moves(window):
+            assert columns.mask(window).shape[-1] == width - columns.start(window)
+            continue
+        moved += 1
+        start = columns.window_start(window).item()
+        block = columns.mask(window)
+        assert block.shape[-1] == window and 0 <= start <= width - window
+        assert mx.array_equal(block, static[..., start : start + window]).item()
+        assert not static[..., :start].any().item() and not static[..., start + window :].any()
+    assert moved > 100
+
+
 # ---------------------------------------------------------------- 2. staggered finishes
 
 

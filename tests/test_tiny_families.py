@@ -32,6 +32,7 @@ R, K, A = "RotatingKVCache", "KVCache", "ArraysCache"
 # mlx-lm's cache per layer (what its make_cache gives): the layouts the builder promises.
 CACHE_LAYOUTS = {
     "mistral_swa": [R, R, K],
+    "local_swa": [R, R],
     "gemma3": [R, R, K, R],
     "gpt_oss": [R, K],
     "deepseek_v3": [K, K],

@@ -93,13 +93,16 @@ class StepColumns:
     written, every column before `width` is read under the mask, and `column` is known
     to be at least `lowest` (an int). `holes` (B, capacity) marks columns that hold no
     token (a speculative step's rejected drafts). A layer with window W reads from
-    column `start(W)`, the first one any query of this width can reach."""
+    column `start(W)`, the first one any query of this width can reach, or, where that
+    is more than the W + queries - 1 columns its queries can see (`moves`), exactly
+    those."""
 
     def __init__(
         self, column: mx.array, left_pad: mx.array, width: int, lowest: int,
         holes: mx.array | None = None, queries: int = 1,
     ):  # fmt: skip
         self.column, self.width, self.lowest = column, width, lowest
+        self.queries = queries
         cols = mx.arange(width)
         self.cols = cols
         self.last = column + mx.arange(queries)[:, None]  # (S, 1): each query's own column
@@ -111,9 +114,31 @@ class StepColumns:
     def start(self, window: int | None) -> int:
         return 0 if window is None else max(0, self.lowest - window + 1)
 
+    def block(self, window: int) -> int:
+        """Columns a windowed layer's queries can see: the window of the first, and one
+        more for each later query."""
+        return window + self.queries - 1
+
+    def moves(self, window: int | None) -> bool:
+        """Whether a windowed layer reads a moving block of exactly `block` columns: the
+        columns from `start` on are up to a width step more (a compiled step's width
+        grows in steps of an eighth of the buffer: at 4,096 tokens, 512 columns, twice a
+        256-token window), and that excess, not the window, then grew with the context."""
+        return window is not None and self.width - self.start(window) > self.block(window)
+
+    def window_start(self, window: int) -> mx.array:
+        """The first column of the block that ends at the last query's, kept inside
+        `width`."""
+        return mx.clip(self.column - window + 1, 0, self.width - self.block(window))
+
     def mask(self, window: int | None) -> mx.array:
         if window is None:
             return self.full
+        if self.moves(window):
+            start, n = self.window_start(window), self.block(window)
+            B, _, S, _ = self.full.shape
+            block = mx.slice(self.full, start, (3,), (B, 1, S, n))
+            return block & (start + mx.arange(n) > self.last - window)
         start = self.start(window)
         return self.full[..., start:] & (self.cols[start:] > self.last - window)
 
@@ -151,8 +176,17 @@ class StepCache:
             keys, values = self.codec.round_trip(keys), self.codec.round_trip(values)
         self.keys = mx.slice_update(self.keys, keys, c.column, axes=(2,))
         self.values = mx.slice_update(self.values, values, c.column, axes=(2,))
+        if c.moves(self.window):
+            start, n = c.window_start(self.window), c.block(self.window)
+            return _columns(self.keys, start, n), _columns(self.values, start, n)
         start = c.start(self.window)
         return self.keys[:, :, start : c.width], self.values[:, :, start : c.width]
+
+
+def _columns(buffer: mx.array, start: mx.array, n: int) -> mx.array:
+    """Columns [start, start + n) of a (B, H, cap, D) buffer, `start` an array."""
+    B, H, _, D = buffer.shape
+    return mx.slice(buffer, start, (2,), (B, H, n, D))
 
 
 class StateCache:
