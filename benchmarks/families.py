@@ -9,8 +9,8 @@
    512. `--window-model` takes another, e.g. the mixed `mistral_swa`.
 
 Both run the worker's ModelRunner in-process, with the CPU backend's kernels, no server.
-Figures are medians of --rounds passes, printed as ratios to their baseline; the two
-sides of each ratio alternate within a pass, so the shared machine's drift hits both.
+Figures are medians over the steps, printed as ratios to their baseline; the two sides
+of each ratio step in turn (`alternate`), so the shared machine's drift hits both.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ from worker_mlx.state_pool import StatePool  # noqa: E402
 class Bench:
     """A runner over a fresh pool with slot counters; each request gets its own state."""
 
-    def __init__(self, path: str, num_slots: int):
+    def __init__(self, path: str, num_slots: int, model=None):
         from mlx_lm import load
 
-        self.model, _ = load(path)
-        self.vocab = int(self.model(mx.array([[0]])).shape[-1])
         backend = select()
-        backend.install(self.model)
+        if model is None:  # a model given is shared, its backend installed already
+            model, _ = load(path)
+            backend.install(model)
+        self.model = model
+        self.vocab = int(self.model(mx.array([[0]])).shape[-1])
         kv, states = probe_layout(self.model)
         self.runner = ModelRunner(
             self.model, MlxKVPool(kv, num_slots), self.vocab,
@@ -81,6 +83,16 @@ class Bench:
         return times
 
 
+def alternate(cells: dict, steps: int, warmup: int = 4) -> dict:
+    """Decode step times of each (Bench, rids) in `cells`, one step of each in turn, so
+    the shared machine's drift hits every side of a ratio alike."""
+    times = {name: [] for name in cells}
+    for _ in range(steps + warmup):
+        for name, (bench, rids) in cells.items():
+            times[name].extend(bench.decode(rids, 1))
+    return {name: t[warmup:] for name, t in times.items()}
+
+
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % (vocab - 3) + 3 for i in range(n)]
 
@@ -104,24 +116,23 @@ def hybrid(path: str, prompt_len: int, rounds: int) -> dict:
         if r:
             cold.append(t_cold)
             warm.append(t_warm)
-    steps = {1: [], 8: []}
-    for r in range(rounds):  # batch sizes alternate, so the machine's drift hits both
-        for bs in steps:
-            reqs = [
-                ExtendReq(
-                    f"d{bs}-{r}-{i}",
-                    _prompt(128, 100 + i, vocab),
-                    [],
-                    b.slots.take(128),
-                    GREEDY,
-                    state_slot=b.new_state(),
-                )  # fmt: skip
-                for i in range(bs)
-            ]
-            b.extend(reqs)
-            steps[bs].append(statistics.median(b.decode([r.rid for r in reqs], 40)[8:]))
-            b.runner.release([ReleaseReq(r.rid, flush=False) for r in reqs])
-            b.state = 0
+    cells = {}
+    for bs in (1, 8):  # a runner each, over the same model, stepping in turn
+        d = Bench(path, bs * (128 + 40 * rounds + 8), model=b.model)
+        reqs = [
+            ExtendReq(
+                f"d{bs}-{i}",
+                _prompt(128, 100 + i, vocab),
+                [],
+                d.slots.take(128),
+                GREEDY,
+                state_slot=d.new_state(),
+            )  # fmt: skip
+            for i in range(bs)
+        ]
+        d.extend(reqs)
+        cells[bs] = (d, [r.rid for r in reqs])
+    steps = alternate(cells, 40 * rounds)
     throughput = {bs: bs / statistics.median(t) for bs, t in steps.items()}
     row = {
         "model": path,
@@ -148,18 +159,14 @@ def window(path: str, window_size: int, contexts: tuple[int, int], rounds: int) 
         config = json.loads((model_dir / "config.json").read_text())
         config["sliding_window"] = window_size
         (model_dir / "config.json").write_text(json.dumps(config))
-        b = Bench(str(model_dir), (max(contexts) + 64) * 2 * (rounds + 1))
-        vocab = b.vocab
-        times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
-        for r in range(rounds + 1):  # contexts alternate; the first round warms up
-            for ctx in contexts:
-                req = ExtendReq(f"{ctx}-{r}", _prompt(ctx, r, vocab), [], b.slots.take(ctx), GREEDY)
-                b.extend([req])
-                t = b.decode([req.rid], 24)[4:]
-                b.runner.release([ReleaseReq(req.rid, flush=False)])
-                if r:
-                    times[ctx].append(statistics.median(t))
-        step = {ctx: statistics.median(t) for ctx, t in times.items()}
+        cells, model = {}, None
+        for ctx in contexts:  # a runner each, over the same model, stepping in turn
+            b = Bench(str(model_dir), ctx + 24 * rounds + 8, model=model)
+            model = b.model
+            req = ExtendReq(f"w{ctx}", _prompt(ctx, 1, b.vocab), [], b.slots.take(ctx), GREEDY)
+            b.extend([req])
+            cells[ctx] = (b, [req.rid])
+        step = {ctx: statistics.median(t) for ctx, t in alternate(cells, 24 * rounds).items()}
     lo, hi = contexts
     ratio = step[hi] / step[lo]
     kinds = config.get("layer_types", [])

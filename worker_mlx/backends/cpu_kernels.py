@@ -269,9 +269,9 @@ def install(model: nn.Module) -> Callable[[], None] | None:
         for name in fast
         if getattr(module, name, None) is stock[name]
     ]
-    names = sorted({name for _, name in swaps})
     if not swaps or not agrees_with_stock():
         return None
+    names = {name for _, name in swaps}
     if "gated_delta_update" in names and not cpu_gated_delta.agrees_with_stock():
         logger.warning("the CPU gated-delta step disagrees with mlx-lm's; keeping mlx-lm's")
         swaps = [(m, name) for m, name in swaps if name != "gated_delta_update"]
