@@ -303,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--preset", choices=["tiny", "small"], default="small")
     a("--loop", action="store_true", help="the preset built so its greedy outputs cycle")
     a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
+    a("--dp-size", type=int, default=1, help="radix-mlx replicas (`radix-mlx serve --dp-size`)")
+    a("--replica", action="append", default=[], help="a remote replica to attach (repeatable)")
     a("--workload", choices=WORKLOADS, default="random")
     a("--num-prompts", type=int, default=64, help="random workload")
     a("--random-input-len", type=int, default=256)
@@ -313,6 +315,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--gsp-system-prompt-len", type=int, default=1024)
     a("--gsp-question-len", type=int, default=64)
     a("--gsp-output-len", type=int, default=32)
+    a("--mtn-tenants", type=int, default=16, help="multi-tenant workload")
+    a("--mtn-requests-per-tenant", type=int, default=8)
+    a("--mtn-system-len", type=int, default=1024)
+    a("--mtn-question-len", type=int, default=32)
+    a("--mtn-output-len", type=int, default=16)
     a("--mt-conversations", type=int, default=8)
     a("--mt-turns", type=int, default=4)
     a("--mt-user-len", type=int, default=64)
@@ -354,6 +361,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.loop = args.loop or args.suite == "speculative"
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.dp_size > 1:
+        args.server_args += ["--dp-size", str(args.dp_size)]
+    for address in args.replica:
+        args.server_args += ["--replica", address]
     return args
 
 

@@ -19,7 +19,10 @@ from typing import Any
 
 from benchmarks.records import Prompt, RequestResult, WorkloadSpec
 
-WORKLOADS = ("random", "generated-shared-prefix", "multi-turn", "repeat", "agent", "code-edit")
+WORKLOADS = (
+    "random", "generated-shared-prefix", "multi-tenant", "multi-turn", "repeat", "agent",
+    "code-edit",
+)  # fmt: skip
 _WORD = re.compile(r" [A-Za-z]+")
 
 
@@ -138,6 +141,24 @@ def shared_prefix_sessions(
     return sessions
 
 
+def multi_tenant_sessions(
+    f: PromptFactory, tenants: int, requests_per_tenant: int, system_len: int,
+    question_len: int, output_len: int,
+) -> list[Session]:  # fmt: skip
+    """T tenants, each with its own long system prefix, R requests each, arriving
+    interleaved: round k sends every tenant's k-th request, in a fresh random order each
+    round (so no fixed rotation lines tenants up with replicas by accident)."""
+    systems = [f.prompt(system_len) for _ in range(tenants)]
+    out = []
+    for _ in range(requests_per_tenant):
+        order = list(range(tenants))
+        f.rng.shuffle(order)
+        for t in order:
+            p = f.prompt(len(systems[t].ids) + question_len, prefix=systems[t])
+            out.append(Session([p], [output_len], [f"tenant{t}"]))
+    return out
+
+
 def multi_turn_sessions(
     f: PromptFactory,
     conversations: int,
@@ -206,6 +227,7 @@ def code_edit_sessions(
 BUILDERS = {
     "random": random_sessions,
     "generated-shared-prefix": shared_prefix_sessions,
+    "multi-tenant": multi_tenant_sessions,
     "multi-turn": multi_turn_sessions,
     "repeat": repeat_sessions,
     "agent": agent_sessions,
@@ -237,6 +259,14 @@ def spec_from_args(args) -> WorkloadSpec:
             system_len=args.gsp_system_prompt_len,
             question_len=args.gsp_question_len,
             output_len=args.gsp_output_len,
+        )
+    elif name == "multi-tenant":
+        params = dict(
+            tenants=args.mtn_tenants,
+            requests_per_tenant=args.mtn_requests_per_tenant,
+            system_len=args.mtn_system_len,
+            question_len=args.mtn_question_len,
+            output_len=args.mtn_output_len,
         )
     elif name == "multi-turn":
         params = dict(

@@ -15,6 +15,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
+from common.prefix import common_prefix_len
+
 PRUNE_TO = 0.9  # share of max_tokens left after a prune
 
 
@@ -24,17 +26,6 @@ class _Node:
     def __init__(self, edge: tuple[int, ...], parent: _Node | None, used: int):
         self.edge, self.parent, self.used = edge, parent, used
         self.children: dict[int, _Node] = {}
-
-
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the common prefix of two runs (C-level compare for the usual full match)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class ApproxTree:
@@ -51,7 +42,7 @@ class ApproxTree:
             child = node.children.get(tokens[i])
             if child is None:
                 return i
-            k = _common(child.edge, tokens[i : i + len(child.edge)])
+            k = common_prefix_len(child.edge, tokens[i : i + len(child.edge)])
             i += k
             if k < len(child.edge):
                 return i
@@ -68,7 +59,7 @@ class ApproxTree:
                 node.children[tokens[i]] = _Node(tokens[i:], node, now)
                 self.size += len(tokens) - i
                 break
-            k = _common(child.edge, tokens[i : i + len(child.edge)])
+            k = common_prefix_len(child.edge, tokens[i : i + len(child.edge)])
             if k < len(child.edge):
                 child = self._split(child, k)
             child.used = now

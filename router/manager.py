@@ -258,9 +258,11 @@ class RouterManager:
         candidates = [r for r in self.replicas.serving() if r is not exclude]
         if not candidates:
             return None
+        started = time.perf_counter()
         replica, reason = self.policy.choose(candidates, input_ids)
         if self.metrics:
-            self.metrics.observe_routing(self.policy.name, reason, replica.id)
+            seconds = time.perf_counter() - started
+            self.metrics.observe_routing(self.policy.name, reason, replica.id, seconds)
         return replica
 
     async def _submit(self, rid: str, pending: _Pending, req: GenerateReq,

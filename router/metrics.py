@@ -32,6 +32,7 @@ from common.messages import SchedulerReady, SchedulerStats, TokenOut
 PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5)
 
 # name (without prefix and without the counter's `_total`) -> Prometheus type
@@ -53,6 +54,7 @@ METRICS = {
     "process_up": "gauge",
     "process_restarts": "counter",
     "routing_decisions": "counter",
+    "routing_seconds": "histogram",
     "replica_up": "gauge",
     "replica_restarts": "counter",
     "replica_requests": "counter",
@@ -162,6 +164,10 @@ class Metrics:
         p, label = PREFIX, ["replica"]
         self.routing = Counter(p + "routing_decisions", "Requests routed to a replica, by "
                                "policy and why", ["policy", "reason"], registry=r)  # fmt: skip
+        self.routing_time = Histogram(
+            p + "routing_seconds", "Time the routing policy took to pick a replica",
+            buckets=ROUTING_BUCKETS, registry=r,
+        )  # fmt: skip
         self.replica_up = Gauge(p + "replica_up", "1 while the replica serves", label, registry=r)
         self.replica_restarts = Counter(
             p + "replica_restarts", "Restarts of the replica's worker and scheduler", label,
@@ -189,8 +195,9 @@ class Metrics:
             label, registry=r,
         )  # fmt: skip
 
-    def observe_routing(self, policy: str, reason: str, replica: str) -> None:
+    def observe_routing(self, policy: str, reason: str, replica: str, seconds: float) -> None:
         self.routing.labels(policy, reason).inc()
+        self.routing_time.observe(seconds)
         self.replica_requests.labels(replica).inc()
 
     def observe_ready(self, ready: SchedulerReady, replica: str = "r0") -> None:

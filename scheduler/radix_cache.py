@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 
+from common.prefix import common_prefix_len as _key_match_len
 from scheduler.memory_pool import TokenToKVPoolAllocator
 
 
@@ -47,17 +48,6 @@ class MatchResult:
     last_node: TreeNode  # node ending exactly at the match (root if nothing matched)
     snapshot: int = 0  # match_snapshot only: last_node's state slot (0 at the root)
     kv_len: int = 0  # match_snapshot only: the KV match it was cut back from
-
-
-def _key_match_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # fast path: C-level comparison
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class RadixCache:

@@ -208,7 +208,17 @@ def test_dashboard_queries_only_exported_metrics():
     assert re.search(r"cached_tokens_total.*\[1m\]\)\) / sum\(rate\(radix_mlx_prompt_tokens", hit)
 
 
-_PROMQL_WORDS = {"histogram_quantile", "sum", "rate", "by", "le", "finish_reason"}
+_PROMQL_WORDS = {
+    "histogram_quantile",
+    "sum",
+    "rate",
+    "by",
+    "le",
+    "finish_reason",
+    "replica",
+    "policy",
+    "reason",
+}
 
 
 def test_prometheus_yml_scrapes_the_local_server():

@@ -159,3 +159,35 @@ def test_replica_set_prefers_replicas_heard_from_lately():
     assert replicas.serving() == [r0, r1]
     r0.state = "down"
     assert replicas.serving() == [r1]
+
+
+def test_multi_tenant_workload_interleaves_tenants_with_long_shared_prefixes(tiny_model):
+    from benchmarks.workloads import PromptFactory, multi_tenant_sessions
+    from router.model_files import load_tokenizer
+
+    f = PromptFactory(load_tokenizer(tiny_model), seed=3)
+    sessions = multi_tenant_sessions(f, tenants=4, requests_per_tenant=3, system_len=64,
+                                     question_len=8, output_len=2)  # fmt: skip
+    tenants = [s.labels[0] for s in sessions]
+    rounds = [tenants[i : i + 4] for i in range(0, 12, 4)]
+    assert all(sorted(r) == sorted({"tenant0", "tenant1", "tenant2", "tenant3"}) for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # each round in its own order
+    by_tenant: dict[str, list[list[int]]] = {}
+    for s in sessions:
+        by_tenant.setdefault(s.labels[0], []).append(s.turns[0].ids)
+    for prompts in by_tenant.values():
+        assert all(p[:64] == prompts[0][:64] and len(p) == 72 for p in prompts)
+    heads = {prompts[0][:64][-8:] == other[0][:64][-8:] for other in by_tenant.values()}
+    assert heads == {True, False}  # tenants' prefixes differ (but for their own)
+
+
+def test_dashboard_has_a_per_replica_row():
+    import json
+    from pathlib import Path
+
+    board = json.loads((Path(__file__).parents[1] / "deploy/grafana-dashboard.json").read_text())
+    titles = [p["title"] for p in board["panels"]]
+    assert "Replicas (--dp-size)" in titles
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
+    assert "sum by (replica) (rate(radix_mlx_replica_cached_tokens_total" in exprs
+    assert "sum by (policy, reason) (rate(radix_mlx_routing_decisions_total" in exprs
