@@ -165,7 +165,7 @@ class Metrics:
         self.routing = Counter(p + "routing_decisions", "Requests routed to a replica, by "
                                "policy and why", ["policy", "reason"], registry=r)  # fmt: skip
         self.routing_time = Histogram(
-            p + "routing_seconds", "Time the routing policy took to pick a replica",
+            p + "routing_seconds", "CPU time the routing policy took to pick a replica",
             buckets=ROUTING_BUCKETS, registry=r,
         )  # fmt: skip
         self.replica_up = Gauge(p + "replica_up", "1 while the replica serves", label, registry=r)
