@@ -67,6 +67,7 @@ bench: setup
 	$(PY) -m benchmarks.one_batch --preset small --batch-size 1 8 --input-len 256 --output-len 64 --rounds 5 --compare-mlx-lm
 	$(PY) -m benchmarks.one_batch --preset small --batch-size 8 --cached-prefix-len 1984 --input-len 64 --output-len 64 --rounds 5 --kv-cache-dtype auto int8 int4
 	$(PY) -m benchmarks.families
+	$(PY) -m benchmarks.restart
 	$(PY) -m benchmarks.serving --suite standard
 
 clean:

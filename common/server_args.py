@@ -113,6 +113,9 @@ class ServerArgs:
     balance_rel_threshold: float = flag(
         1.0001, "cache_aware: ... and the busiest has more than this times the idlest's"
     )
+    restart_wait_timeout: float = flag(
+        30.0, "seconds a request sent during a restart waits for it, then gets 503 Retry-After"
+    )
     debug_invariants: bool = flag(False, "check KV bookkeeping every step")
     speculative_algorithm: str = flag(
         "none",
@@ -188,6 +191,8 @@ class ServerArgs:
                 raise ValueError(f"--replica {address}: expected tcp://HOST:PORT")
         if self.replica and bool(self.curve_secret_key) != bool(self.curve_server_key):
             raise ValueError("--curve-secret-key and --curve-server-key go together")
+        if self.restart_wait_timeout < 0:
+            raise ValueError("--restart-wait-timeout must be >= 0")
 
     @property
     def model_name(self) -> str:

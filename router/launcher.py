@@ -170,7 +170,8 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: C
     policy = make_policy(args.routing_policy, args.cache_threshold,
                          args.balance_abs_threshold, args.balance_rel_threshold)  # fmt: skip
     manager = RouterManager(replicas, tokenizer, metrics, args.max_queued_requests,
-                            Trace(args.trace_dir, "router"), policy, ctx)  # fmt: skip
+                            Trace(args.trace_dir, "router"), policy, ctx,
+                            args.restart_wait_timeout)  # fmt: skip
     supervisor = Supervision([
         Supervisor(c, r, manager, metrics, args.max_restarts) for c, r in zip(children, replicas)
     ])  # fmt: skip

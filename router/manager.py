@@ -9,10 +9,10 @@ serve.
 
 The manager also holds the serving state the supervisor and the signal handlers set:
 starting, serving, draining and stopped (new requests get 503). While serving with no
-replica ready (all are restarting), new requests wait up to RESTART_WAIT for one, then get
-a 503 with Retry-After. When a replica goes down, its requests that have not produced a
-token yet are sent once to another replica that serves; the others fail with a 503 that
-names the replica and the cause.
+replica ready (all are restarting), new requests wait up to `restart_wait`
+(--restart-wait-timeout) for one, then get a 503 with Retry-After. When a replica goes
+down, its requests that have not produced a token yet are sent once to another replica
+that serves; the others fail with a 503 that names the replica and the cause.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from router.replicas import Replica, ReplicaSet
 from router.routing import RoundRobin
 
 logger = logging.getLogger("router")
-RESTART_WAIT = 30.0  # seconds a request that arrives during a restart waits for it
 RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while restarting
 
 
@@ -96,7 +95,9 @@ class RouterManager:
         trace: Trace | None = None,
         policy=None,
         ctx: zmq.asyncio.Context | None = None,
+        restart_wait: float = 30.0,  # --restart-wait-timeout
     ):
+        self.restart_wait = restart_wait
         self.ctx = ctx or zmq.asyncio.Context()
         self.replicas = replicas
         self.policy = policy or RoundRobin()
@@ -238,7 +239,7 @@ class RouterManager:
     async def _wait_serving(self) -> None:
         if self.state == "serving" and not self.replicas.serving():
             try:
-                await asyncio.wait_for(self._settled.wait(), RESTART_WAIT)
+                await asyncio.wait_for(self._settled.wait(), self.restart_wait)
             except asyncio.TimeoutError:
                 raise unavailable(
                     f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER

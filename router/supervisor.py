@@ -4,11 +4,12 @@ They are spawned (not forked: MLX and ZMQ state must not be copied) and polled e
 CHECK_INTERVAL. When one dies (any exit status, a signal, the OOM killer) or the
 scheduler's watchdog reports a hung worker step, the requests in flight fail with a 503
 naming the process and its exit status, both children are replaced (the KV pool died with
-the worker, so the trie must start empty too) and serving resumes once the new scheduler
-reports ready. Each replica (`--dp-size`) is supervised on its own: a failure takes only
-that replica down (`RouterManager.replica_down`) while the others serve. More than
---max-restarts restarts of one replica within RESTART_WINDOW is a crash loop: the
-supervisor gives that replica up, and once every replica is given up the server exits 1.
+the worker, so the trie must start empty too) by standbys spawned ahead (router.standby)
+and serving resumes once the new scheduler reports ready. Each replica (`--dp-size`) is
+supervised on its own: a failure takes only that replica down
+(`RouterManager.replica_down`) while the others serve. More than --max-restarts restarts
+of one replica within RESTART_WINDOW is a crash loop: the supervisor gives that replica
+up, and once every replica is given up the server exits 1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections import deque
 from common.child_process import STOP_SIGNAL
 from common.ipc import Endpoints
 from common.server_args import ServerArgs
+from router.standby import Standbys
 
 logger = logging.getLogger("router")
 CHECK_INTERVAL = 0.1  # seconds between liveness checks: a death is noticed well within 1 s
@@ -33,6 +35,7 @@ STOP_TIMEOUT = 5.0  # seconds children get to exit on STOP_SIGNAL before they ar
 # The scheduler sends stats at least every second, also while it waits for a step; this
 # long without a frame from it, it counts as hung.
 SCHEDULER_SILENCE = 10.0
+ROLES = ("worker", "scheduler")
 
 
 def describe_exit(name: str, code: int | None) -> str:
@@ -57,22 +60,33 @@ class Children:
         # set when the router starts to stop (see setup_child)
         self.stopping = stopping if stopping is not None else self.mp.Event()
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.standbys = Standbys(self.mp, self._process)
 
     def start(self) -> None:
+        """Release the standbys (a restart) or spawn the children (the first start)."""
+        self.procs = {}
+        for name in ROLES:
+            proc = self.standbys.take(name)
+            if proc is None:
+                proc = self._process(name)
+                proc.start()
+            self.procs[name] = proc
+
+    def spawn_standbys(self) -> None:
+        """Spawn what the next restart releases (router.standby); once serving, so the
+        standbys' imports do not slow the start they are not part of."""
+        self.standbys.spawn(ROLES)
+
+    def _process(self, name: str, release=None) -> multiprocessing.process.BaseProcess:
         from scheduler.process import run_scheduler
         from worker_mlx.worker import run_worker
 
-        targets = {"worker": run_worker, "scheduler": run_scheduler}
-        self.procs = {
-            name: self.mp.Process(
-                target=target,
-                args=(self.args, self.endpoints, self.stopping),
-                name=name + self.suffix,
-            )
-            for name, target in targets.items()
-        }
-        for proc in self.procs.values():
-            proc.start()
+        target = {"worker": run_worker, "scheduler": run_scheduler}[name]
+        return self.mp.Process(
+            target=target,
+            args=(self.args, self.endpoints, self.stopping, release),
+            name=name + self.suffix,
+        )
 
     def pid(self, name: str) -> int | None:
         proc = self.procs.get(name)
@@ -105,6 +119,7 @@ class Children:
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         self.kill_all()
+        self.standbys.stop(STOP_SIGNAL, STOP_TIMEOUT)
 
 
 class Supervisor:
@@ -125,6 +140,7 @@ class Supervisor:
                 await asyncio.wait_for(self.replica.ready_event.wait(), CHECK_INTERVAL)
                 logger.info("%sworker and scheduler ready %.2f s after their start",
                             self.name, time.monotonic() - started)  # fmt: skip
+                self.children.spawn_standbys()
                 return None
             except asyncio.TimeoutError:
                 dead = self.children.dead()

@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from common.child_process import setup_child
+from common.child_process import setup_child, wait_for_release
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -194,8 +194,11 @@ class SchedulerProcess:
             self.to_router.send(encode(stats))
 
 
-def run_scheduler(args: ServerArgs, endpoints: Endpoints, router_stopping=None) -> None:
-    """Process entry point."""
+def run_scheduler(
+    args: ServerArgs, endpoints: Endpoints, router_stopping=None, release=None
+) -> None:
+    """Process entry point; a standby (`release` given) waits for it."""
     setup_logging("scheduler", args.log_level)
-    setup_child("scheduler", router_stopping)
+    setup_child("scheduler", router_stopping, release)
+    wait_for_release("scheduler", release)
     SchedulerProcess(args, endpoints).run()

@@ -234,6 +234,23 @@ def test_sigterm_to_the_worker_alone_restarts_it(server, tiny_model):
     assert "worker process exited with status 0; restarting" in server.log()
 
 
+def test_a_restart_releases_the_standbys_and_spawns_new_ones(server, tiny_model):
+    standbys = {name: server.child(f"{name}-standby", 60) for name in ("worker", "scheduler")}
+    os.kill(server.child("worker"), signal.SIGKILL)
+    assert_recovered(server, tiny_model, 12)
+    for name, pid in standbys.items():  # the standby now serves, under the role's title
+        assert server.child(name) == pid
+        assert server.child(f"{name}-standby", 60) not in standbys.values()
+
+
+def test_a_dead_standby_is_replaced_by_a_fresh_spawn(server, tiny_model):
+    standby = server.child("worker-standby", 60)
+    os.kill(standby, signal.SIGKILL)
+    os.kill(server.child("worker"), signal.SIGKILL)
+    assert_recovered(server, tiny_model, 13)
+    assert server.child("worker") != standby
+
+
 def test_sigstopped_scheduler_is_restarted(server, tiny_model):
     scheduler = server.child("scheduler")
     with _stopped(scheduler):
@@ -355,11 +372,25 @@ def test_64_concurrent_streams_lose_nothing_and_are_token_exact(server, tiny_mod
     assert_recovered(server, tiny_model, 8)
 
 
+def _refused_during_the_restart(server: ServerProcess) -> None:
+    """With --restart-wait-timeout 0, a request sent while the restart cannot finish (its
+    standby worker is stopped) gets a 503 with Retry-After at once."""
+    with _stopped(server.child("worker-standby", 60)):
+        os.kill(server.child("worker"), signal.SIGKILL)
+        while httpx.get(server.url + "/health", timeout=5).status_code == 200:
+            time.sleep(0.02)
+        r = httpx.post(server.url + "/v1/completions", json=_body([4, 5], 2), timeout=10)
+        assert r.status_code == 503, r.text
+        assert "restarting" in r.json()["error"]["message"] and r.headers["Retry-After"]
+
+
 def test_crash_loop_ends_with_one_clear_line(tiny_model, tmp_path):
-    server = ServerProcess(tiny_model, tmp_path / "log", extra=["--max-restarts", "2"])
+    extra = ["--max-restarts", "2", "--restart-wait-timeout", "0"]
+    server = ServerProcess(tiny_model, tmp_path / "log", extra=extra)
     server.start()
     try:
-        for _ in range(3):
+        _refused_during_the_restart(server)
+        for _ in range(2):
             wait_healthy(server)
             os.kill(server.child("worker"), signal.SIGKILL)
             time.sleep(0.3)

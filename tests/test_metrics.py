@@ -202,6 +202,8 @@ def test_dashboard_queries_only_exported_metrics():
         "radix_mlx_num_queued_requests",
         "radix_mlx_num_running_requests",
         "sum by (finish_reason) (rate(radix_mlx_requests_total",
+        "sum by (process) (increase(radix_mlx_process_restarts_total",
+        "min by (process) (radix_mlx_process_up",
     ]:
         assert needed in joined, needed
     hit = next(e for e in exprs if "cached_tokens_total" in e)
@@ -211,10 +213,13 @@ def test_dashboard_queries_only_exported_metrics():
 _PROMQL_WORDS = {
     "histogram_quantile",
     "sum",
+    "min",
     "rate",
+    "increase",
     "by",
     "le",
     "finish_reason",
+    "process",
     "replica",
     "policy",
     "reason",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from common.child_process import setup_child
+from common.child_process import setup_child, wait_for_release
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -29,15 +29,16 @@ from worker_mlx.backends.blas import preload_openblas
 logger = logging.getLogger("worker")
 
 
-def run_worker(args: ServerArgs, endpoints: Endpoints, router_stopping=None) -> None:
-    """Process entry point."""
+def run_worker(args: ServerArgs, endpoints: Endpoints, router_stopping=None, release=None) -> None:
+    """Process entry point; a standby (`release` given) imports, then waits for it."""
     setup_logging("worker", args.log_level)
-    setup_child("worker", router_stopping)
+    setup_child("worker", router_stopping, release)
     blas = preload_openblas()
     import zmq
 
     from worker_mlx.loader import load_runner
 
+    wait_for_release("worker", release)
     runner, ready = load_runner(args, blas)
     ctx = zmq.Context()
     inbox = bind_pull(ctx, endpoints.worker_in)
