@@ -36,18 +36,20 @@ def run_worker(args: ServerArgs, endpoints: Endpoints, router_stopping=None, rel
     blas = preload_openblas()
     import zmq
 
+    from worker_mlx.buffer_cache import BufferCacheBound
     from worker_mlx.loader import load_runner
 
     wait_for_release("worker", release)
     runner, ready = load_runner(args, blas)
+    cache = BufferCacheBound()
     ctx = zmq.Context()
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox, Trace(args.trace_dir, "worker"))
+    serve(runner, inbox, outbox, Trace(args.trace_dir, "worker"), cache.after_step)
 
 
-def serve(runner, inbox, outbox, trace: Trace) -> None:
+def serve(runner, inbox, outbox, trace: Trace, after_step=lambda: None) -> None:
     import zmq
 
     watch = ParentWatch()
@@ -75,6 +77,7 @@ def serve(runner, inbox, outbox, trace: Trace) -> None:
         if reply is not None:
             outbox.send(encode(reply))
         runner.run_ahead()  # the next decode step computes while the scheduler works
+        after_step()
 
 
 def execute(runner, msg) -> StepResult | WorkerError | None:
