@@ -198,8 +198,8 @@ class _Routes:
             if j and sampling.seed is not None:
                 nth = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)
             sub_rid = rid if total == 1 else f"{rid}-{index}"
-            render, prefix = render_at(index, ids)
-            chunks = self._start(req, ids, nth, sub_rid)
+            chunks = self._start(req, ids, nth, sub_rid)  # checks the ids first
+            render, prefix = render_at(index, ids)  # may decode them (echo)
             choices.append(Choice(chunks, render, index // n, prefix))
         return choices
 

@@ -110,3 +110,10 @@ def test_echo_logprobs_max_tokens_0_cold_and_cached(oai, tiny_model):
 def test_max_tokens_0_needs_echo(oai):
     with pytest.raises(openai.BadRequestError, match="echo"):
         oai.completions.create(model="", prompt="hi", max_tokens=0)
+
+
+@pytest.mark.parametrize("ids", [[-1], [10**6]])
+def test_echo_of_out_of_range_ids_is_a_400(oai, ids):
+    # found by the schemathesis run: echo decoded the ids before they were checked (a 500)
+    with pytest.raises(openai.BadRequestError, match="must be in"):
+        oai.completions.create(model="", prompt=ids, echo=True, max_tokens=1)
