@@ -36,6 +36,7 @@ class AnthropicRoutes:
         return plan_chat(
             self.routes.tok, req.openai_messages(), req.openai_tools(),
             req.openai_tool_choice(), req.template_kwargs(), grammar,
+            getattr(req, "max_tokens", None),  # count_tokens has none
         )  # fmt: skip
 
     async def count_tokens(self, req: CountTokensRequest):

@@ -25,11 +25,13 @@ class ChatPrompt:
 
 
 def plan_chat(
-    tok: Tokenization, messages, tools, choice, template_kwargs, grammar
-) -> tuple[list[int], ChatPrompt, tuple[str, str] | None]:
+    tok: Tokenization, messages, tools, choice, template_kwargs, grammar,
+    max_tokens: int | None = None,
+) -> tuple[list[int], ChatPrompt, tuple[str, str] | None]:  # fmt: skip
     """(prompt ids, what the rendering decided, the output's grammar) of a chat with
     OpenAI-shaped `messages`, `tools` and tool `choice`; `grammar` is the requested output
-    format's (router.constraints.output_grammar), which a forced tool call replaces."""
+    format's (router.constraints.output_grammar), which a forced tool call replaces.
+    `max_tokens` (the request's, if it set one) bounds a thought before such an output."""
     fmt = tok.chat_format
     tools = check_tools(fmt, tools)
     parse_tools, forced = tool_choice(choice, tools)
@@ -38,9 +40,9 @@ def plan_chat(
     if forced:
         if grammar:
             raise RequestError("a tool_choice that forces a call takes no output format")
-        grammar = tool_grammar(fmt, tools, forced, prompt.thinking)
+        grammar = tool_grammar(fmt, tools, forced, prompt.thinking, max_tokens)
     elif grammar and prompt.thinking:
-        grammar = after_thinking(fmt, grammar)
+        grammar = after_thinking(fmt, grammar, max_tokens)
     return tok.encode_rendered(text), prompt, grammar
 
 

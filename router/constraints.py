@@ -44,10 +44,12 @@ def output_grammar(response_format: dict | None, regex, ebnf) -> tuple[str, str]
 
 
 def tool_grammar(
-    fmt: ChatFormat, tools: list[dict], names: list[str], thinking: bool
-) -> tuple[str, str]:
+    fmt: ChatFormat, tools: list[dict], names: list[str], thinking: bool,
+    max_tokens: int | None = None,
+) -> tuple[str, str]:  # fmt: skip
     """A grammar that makes the model call one of the tools `names` (OpenAI tool dicts);
-    `thinking`: the prompt opened a thinking block, which the grammar closes first."""
+    `thinking`: the prompt opened a thinking block, in which the model thinks first
+    (see `_thought`)."""
     if fmt.tool_parser_type not in _JSON_CALL_FORMATS:
         raise RequestError(
             "this tool choice must be enforced by a grammar, which radix-mlx builds for the "
@@ -67,29 +69,38 @@ def tool_grammar(
             "additionalProperties": False,
         })  # fmt: skip
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    start = _closed_thinking(fmt) if thinking else ""
+    head = json.dumps(fmt.tool_call_start + "\n")
+    if thinking:
+        head = f"thought {json.dumps(fmt.think_end + chr(10) * 2 + fmt.tool_call_start + chr(10))}"
     lark = (
-        f"start: {json.dumps(start + fmt.tool_call_start + chr(10))} call "
-        f"{json.dumps(chr(10) + fmt.tool_call_end)}\n"
-        f"call: {_json_rule(schema)}\n"
+        f"start: {head} call {json.dumps(chr(10) + fmt.tool_call_end)}\n"
+        f"call: {_json_rule(schema)}\n{_thought(fmt, max_tokens) if thinking else ''}"
     )
     return checked(("lark", lark))
 
 
-def after_thinking(fmt: ChatFormat, grammar: tuple[str, str]) -> tuple[str, str]:
+def after_thinking(
+    fmt: ChatFormat, grammar: tuple[str, str], max_tokens: int | None = None
+) -> tuple[str, str]:
     """The grammar for a chat whose prompt opened a thinking block: a JSON answer comes
-    after the block, which the grammar closes first (empty); a regex or EBNF governs the
-    whole output, thinking included."""
+    after the model's thought (`_thought`); a regex or EBNF governs the whole output,
+    thinking included."""
     kind, source = grammar
     if kind != "json_schema":
         return grammar
     answer = _json_rule(json.loads(source))
-    lark = f"start: {json.dumps(_closed_thinking(fmt))} answer\nanswer: {answer}\n"
+    closed = json.dumps(fmt.think_end + "\n\n")
+    lark = f"start: thought {closed} answer\nanswer: {answer}\n{_thought(fmt, max_tokens)}"
     return checked(("lark", lark))
 
 
-def _closed_thinking(fmt: ChatFormat) -> str:
-    return fmt.think_end + "\n\n"
+def _thought(fmt: ChatFormat, max_tokens: int | None) -> str:
+    """The lark rules of a thought: any text without the block's end marker, which follows
+    it when the model writes it; with a `max_tokens`, it is forced after half of them at
+    most, so the constrained answer still fits (a thought may be empty)."""
+    budget = f"[max_tokens={max(1, max_tokens // 2)}]" if max_tokens else ""
+    end = json.dumps(fmt.think_end)
+    return f"thought{budget}: THOUGHT\nTHOUGHT: /(?s:.*)/ & ~(/(?s:.*)/ {end} /(?s:.*)/)\n"
 
 
 def _json_rule(schema: dict | bool) -> str:

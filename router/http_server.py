@@ -243,12 +243,13 @@ class _Routes:
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         self._check(req)
         grammar = output_grammar(req.response_format, req.regex, req.ebnf)
-        ids, prompt, grammar = plan_chat(
-            self.tok, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs, grammar
-        )
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
+        ids, prompt, grammar = plan_chat(
+            self.tok, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs, grammar,
+            max_new,
+        )  # fmt: skip
         if max_new is None:  # as much as fits in the context and in the KV pool
             room = min(self.manager.context_len, self.manager.ready.num_slots) - len(ids)
             max_new = max(1, room)

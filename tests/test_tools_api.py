@@ -70,7 +70,7 @@ def oai(server):
 def chat(oai, **kw):
     kw.setdefault("model", "m")
     kw.setdefault("temperature", 0)
-    kw.setdefault("max_tokens", 120)
+    kw.setdefault("max_tokens", 240)  # a thought of up to 120, then a forced answer
     return oai.chat.completions.create(**kw)
 
 
@@ -143,6 +143,19 @@ def test_reasoning_is_split(oai):
         reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
         content += delta.content or ""
     assert (reasoning, content) == (out.model_extra["reasoning_content"], out.content)
+
+
+def test_thinking_comes_before_a_json_answer_and_a_forced_call(oai):
+    """Thinking on (the default): the model thinks first, for at most half of max_tokens,
+    then the grammar holds the answer to the schema or to a call."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    out = chat(oai, messages=ASK, response_format=fmt).choices[0].message
+    assert out.model_extra["reasoning_content"].strip()
+    jsonschema.validate(json.loads(out.content), WEATHER)
+    out = chat(oai, messages=ASK, tools=TOOLS, tool_choice="required").choices[0].message
+    assert out.model_extra["reasoning_content"].strip()
+    (call,) = out.tool_calls
+    json.loads(call.function.arguments)
 
 
 def test_chat_template_kwargs_reach_the_template(oai):
