@@ -50,7 +50,7 @@ def create(claude, **kw):
     """messages.create; this SDK has no sampling arguments (temperature, top_p, top_k):
     they go in the body as the API takes them."""
     kw.setdefault("model", "m")
-    kw.setdefault("max_tokens", 120)
+    kw.setdefault("max_tokens", 240)  # a thought of up to 120, then a forced call
     kw.setdefault("system", SYSTEM)
     kw.setdefault("messages", ASK)
     sampling = {k: kw.pop(k) for k in ("temperature", "top_p", "top_k") if k in kw}
@@ -94,7 +94,7 @@ def test_named_tool_streams_input_json(claude):
     choice = {"type": "tool", "name": "search"}
     with claude.messages.stream(
         model="m",
-        max_tokens=120,
+        max_tokens=240,
         system=SYSTEM,
         messages=ASK,
         tools=TOOLS,
