@@ -14,6 +14,7 @@ released, and exits meanwhile if its parent dies.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -24,6 +25,7 @@ from setproctitle import setproctitle
 TITLE_PREFIX = "radix-mlx::"
 STOP_SIGNAL = signal.SIGUSR1
 GROUP_SIGNAL_GRACE = 2.0  # seconds for the router to mark itself stopping (a loaded machine)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_CHECK = 1.0  # seconds between a standby's checks that its parent still lives
 
 
@@ -37,6 +39,8 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
     the process's name when the router gave it one that extends `name` (`worker-r1`: a
     replica's worker), with `-standby` until a standby is released."""
     set_title(_title(name) if release is None else f"{_title(name)}-standby")
+    if release is not None:
+        _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
 
@@ -45,6 +49,17 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
             sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # a standby is spawned with these blocked (router.standby); its handlers are in place
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _die_with_parent() -> None:
+    """A standby holds nothing: on Linux the kernel kills it with its parent, also while
+    it imports (its own check of the parent runs only once the imports are done)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
 
 
 def _title(name: str) -> str:

@@ -15,6 +15,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+BLOCKED = {signal.SIGTERM, signal.SIGINT}
+
 
 @dataclass
 class Standby:
@@ -38,7 +40,14 @@ class Standbys:
             if name not in self.ready:
                 release = self.mp.Event()
                 proc = self.make_process(name, release)
-                proc.start()
+                # Spawned while serving: a signal landing between fork and exec would run
+                # the router's handler in the copy and reach the router's loop through
+                # its wakeup fd, a second SIGTERM. Blocked here; setup_child unblocks.
+                old = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
+                try:
+                    proc.start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 self.ready[name] = Standby(proc, release)
 
     def take(self, name: str):

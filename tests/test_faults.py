@@ -234,9 +234,19 @@ def test_sigterm_to_the_worker_alone_restarts_it(server, tiny_model):
     assert "worker process exited with status 0; restarting" in server.log()
 
 
+def _wait_restarted(server: ServerProcess, before: float) -> None:
+    """Until the router has counted the death (a /health 200 before that is stale)."""
+    deadline = time.monotonic() + 30
+    while restarts(server, "worker") == before:
+        assert time.monotonic() < deadline, server.log(20)
+        time.sleep(0.05)
+
+
 def test_a_restart_releases_the_standbys_and_spawns_new_ones(server, tiny_model):
     standbys = {name: server.child(f"{name}-standby", 60) for name in ("worker", "scheduler")}
+    before = restarts(server, "worker")
     os.kill(server.child("worker"), signal.SIGKILL)
+    _wait_restarted(server, before)
     assert_recovered(server, tiny_model, 12)
     for name, pid in standbys.items():  # the standby now serves, under the role's title
         assert server.child(name) == pid
@@ -246,7 +256,9 @@ def test_a_restart_releases_the_standbys_and_spawns_new_ones(server, tiny_model)
 def test_a_dead_standby_is_replaced_by_a_fresh_spawn(server, tiny_model):
     standby = server.child("worker-standby", 60)
     os.kill(standby, signal.SIGKILL)
+    before = restarts(server, "worker")
     os.kill(server.child("worker"), signal.SIGKILL)
+    _wait_restarted(server, before)
     assert_recovered(server, tiny_model, 13)
     assert server.child("worker") != standby
 
