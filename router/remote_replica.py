@@ -152,7 +152,9 @@ class RemoteLink:
     def _silent(self, now: float) -> bool:
         """Nothing heard for SILENCE_TIMEOUT, and nothing waiting to be read (a busy
         router loop is not a silent replica)."""
-        waiting = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        # `get`, not `getsockopt`: only the asyncio socket's `get` re-arms its reader after
+        # reading EVENTS consumed the fd's edge (else a waiting frame is never received)
+        waiting = self.sock.get(zmq.EVENTS) & zmq.POLLIN
         return now - self.last_heard > SILENCE_TIMEOUT and not waiting
 
     async def _monitor_loop(self) -> None:

@@ -385,3 +385,31 @@ def test_bad_frames_from_a_replica_never_stop_the_router_link(tiny_model):
     frames, state = run(go())
     assert frames[0] == b"x"  # a scheduler frame: passed on for the manager to judge
     assert decode(frames[1], ROUTER_INBOX) == ready and state == "ready"
+
+
+def test_a_frame_that_arrives_while_silence_is_checked_is_still_received(tiny_model):
+    """The silence check reads the socket's EVENTS, which consumes the edge its asyncio
+    reader waits for: a frame that arrived just before it must still be received (it was
+    not, about half of the time, so a killed replica stayed ready)."""
+
+    async def go():
+        ctx = zmq.asyncio.Context()
+        fake = ctx.socket(zmq.ROUTER)
+        port = fake.bind_to_random_port("tcp://127.0.0.1")
+        link = RemoteLink(f"tcp://127.0.0.1:{port}", model_identity(tiny_model),
+                          ServerArgs(model_path="m"), ctx)  # fmt: skip
+        while not await fake.poll(50):  # dropped until connected (IMMEDIATE)
+            link.send_nowait(b"hello")
+        peer, _ = await fake.recv_multipart()
+        received = asyncio.create_task(link.recv())
+        await asyncio.sleep(0)  # the reader waits on the socket now
+        await fake.send_multipart([peer, b"x"])
+        time.sleep(0.3)  # the frame lands while the loop does not run
+        assert not link._silent(time.monotonic())  # waiting to be read: not silent
+        try:
+            return await asyncio.wait_for(received, 2)
+        finally:
+            link.close()
+            ctx.destroy(linger=0)
+
+    assert run(go()) == b"x"
