@@ -60,6 +60,34 @@ def _gemma3(config: Config) -> Config:
     }
 
 
+def _gemma4(config: Config) -> Config:
+    """Gemma 4 text: L L L G layers, global layers twice as wide per head, the last two
+    layers sharing the K/V of the last earlier layer of their kind, per-layer inputs."""
+    head_dim = config["head_dim"]
+    return {
+        **config,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 4,
+        "global_head_dim": 2 * head_dim,
+        "num_kv_shared_layers": 3,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": config["vocab_size"],
+        "final_logit_softcapping": 30.0,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {
+                "partial_rotary_factor": 1.0,
+                "rope_theta": 10000.0,
+                "rope_type": "default",
+            },
+        },  # fmt: skip
+    }
+
+
 def _gpt_oss(config: Config) -> Config:
     """gpt-oss: alternating sliding and full layers, attention sinks, a top-2-of-4 MoE."""
     layers = config["num_hidden_layers"]
@@ -221,6 +249,7 @@ FAMILIES: dict[str, Family] = {
     "mistral_swa": Family("MistralForCausalLM", "mistral", _sliding_window, min_layers=3),
     "local_swa": Family("Step3p5ForCausalLM", "step3p5", _local_swa, min_layers=2),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", _gemma3, min_layers=4, norm_offset=1.0),
+    "gemma4": Family("Gemma4ForCausalLM", "gemma4_text", _gemma4, min_layers=8),
     "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss, min_layers=2),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3, min_layers=2),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _moe),

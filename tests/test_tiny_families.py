@@ -34,6 +34,7 @@ CACHE_LAYOUTS = {
     "mistral_swa": [R, R, K],
     "local_swa": [R, R],
     "gemma3": [R, R, K, R],
+    "gemma4": [R, R, R, K, R],  # 8 layers: the last 3 reuse layers 2 and 3's K/V
     "gpt_oss": [R, K],
     "deepseek_v3": [K, K],
     "qwen3_moe": [K, K],
@@ -131,6 +132,26 @@ def test_deepseek_v3_caches_keys_and_values_of_different_widths(tiny_arch) -> No
         assert cache.keys.shape[-1] == config["kv_lora_rank"]  # the latent
         assert cache.values.shape[-1] == config["qk_rope_head_dim"]  # the RoPE part
     assert config["kv_lora_rank"] != config["qk_rope_head_dim"]
+
+
+def test_gemma4_shares_kv_and_widens_its_global_layers(tiny_arch) -> None:
+    """Gemma 4's KV-shared layers attend an earlier layer's K/V: dropping them from the
+    sharing (each gets its own cache) changes nothing but where the K/V come from, so
+    instead the shared layers' queries are zeroed to show they matter; the global layer
+    caches twice the local head width."""
+    path = Path(tiny_arch("gemma4"))
+    config = read_config(path)
+    model, tokenizer = load(str(path))
+    assert len(model.layers) - len(make_prompt_cache(model)) == config["num_kv_shared_layers"]
+    caches = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=caches)
+    widths = [c.keys.shape[-1] for c in caches]
+    assert widths == [config["head_dim"]] * 3 + [config["global_head_dim"]] + [config["head_dim"]]
+    ids = long_prompt(tokenizer, 40)
+    before = greedy(model, ids)
+    for layer in model.layers[-config["num_kv_shared_layers"] :]:
+        layer.self_attn.q_proj.weight = mx.zeros_like(layer.self_attn.q_proj.weight)
+    assert greedy(model, ids) != before
 
 
 @pytest.mark.parametrize("arch", HYBRID)

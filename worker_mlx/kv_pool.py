@@ -36,10 +36,20 @@ class KVLayout:
     # how the pool stores K/V (--kv-cache-dtype); `dtype` stays the model's, which
     # attention computes in
     kv_cache_dtype: str = "auto"
+    # per KV layer, (key width, value width) where the layers differ (Gemma 4's global
+    # layers are twice as wide per head as its local ones); () when all are the above
+    layer_widths: tuple[tuple[int, int], ...] = ()
 
     @property
     def value_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def widths(self, layer: int) -> tuple[int, int]:
+        """The key and value widths of KV layer `layer`."""
+        return self.layer_widths[layer] if self.layer_widths else (self.head_dim, self.value_dim)
+
+    def all_widths(self) -> set[int]:
+        return {w for i in range(self.num_layers) for w in self.widths(i)}
 
     @property
     def codec(self) -> FloatCodec | QuantizedCodec:
@@ -52,9 +62,12 @@ class KVLayout:
         (the model's dtype) per group of 64."""
         codec = self.codec
         per_head = sum(
-            n * dtype.size for w in (self.head_dim, self.value_dim) for n, dtype in codec.widths(w)
+            n * dtype.size
+            for i in range(self.num_layers)
+            for w in self.widths(i)
+            for n, dtype in codec.widths(w)
         )
-        return self.num_layers * self.n_kv_heads * per_head
+        return self.n_kv_heads * per_head
 
     def in_model_order(self, kv: list, states: list) -> list:
         """One list of caches for the model: `kv` (one per KV layer) and `states` (one per
@@ -82,10 +95,10 @@ class MlxKVPool:
         self.parts = [
             [
                 mx.zeros((num_slots + 1, H, n), dtype)
-                for w in (layout.head_dim, layout.value_dim)
+                for w in layout.widths(layer)
                 for n, dtype in self.codec.widths(w)
             ]
-            for _ in range(layout.num_layers)
+            for layer in range(layout.num_layers)
         ]
         mx.eval(self.parts)
 

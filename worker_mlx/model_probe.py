@@ -83,16 +83,19 @@ def probe_layout(model: nn.Module) -> tuple[KVLayout, StateLayout | None]:
     probes = [c for c in caches if isinstance(c, ProbeCache)]
     if any(p.shape is None for p in probes):
         raise UnsupportedModel("it has attention layers that keep no keys and values")
-    shapes = {(p.shape[1], p.shape[3], p.v_dim, p.dtype) for p in probes}
+    shapes = {(p.shape[1], p.dtype) for p in probes}
     if len(shapes) != 1:
-        raise UnsupportedModel(f"its layers disagree on the key/value shape: {shapes}")
-    (n_kv_heads, head_dim, v_dim, dtype) = shapes.pop()
+        raise UnsupportedModel(f"its layers disagree on the KV heads or dtype: {shapes}")
+    (n_kv_heads, dtype) = shapes.pop()
+    widths = tuple((p.shape[3], p.v_dim) for p in probes)
+    head_dim, v_dim = widths[0]
     windows = tuple(k for k in kinds if k is not RECURRENT)
     kv = KVLayout(
         len(probes), n_kv_heads, head_dim, dtype,
         v_head_dim=None if v_dim == head_dim else v_dim,
         windows=windows if any(w is not None for w in windows) else (),
         recurrent=recurrent,
+        layer_widths=widths if len(set(widths)) > 1 else (),
     )  # fmt: skip
     states = [caches[i] for i in recurrent]
     if not states:
