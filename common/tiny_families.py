@@ -222,6 +222,36 @@ def _nemotron_h(config: Config) -> Config:
     }
 
 
+def _granite4(config: Config) -> Config:
+    """Granite 4.0 H (mlx-lm's granitemoehybrid): Mamba-2 layers and an attention layer
+    without positional encoding, each with a top-2-of-4 MoE and a shared expert, and
+    Granite's multipliers on embeddings, attention, residuals and logits."""
+    layers = config["num_hidden_layers"]
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    return {
+        **config,
+        "layer_types": ["mamba"] * (layers - 1) + ["attention"],
+        "position_embedding_type": "nope",
+        "attention_bias": False,
+        "embedding_multiplier": 2.0,
+        "attention_multiplier": 1.0 / head_dim,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 2.0,
+        "num_local_experts": N_EXPERTS,
+        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "shared_intermediate_size": config["intermediate_size"] // 2,
+        "intermediate_size": config["intermediate_size"] // 2,
+        "mamba_n_heads": 2 * hidden // head_dim,  # Mamba's expand = 2
+        "mamba_d_head": head_dim,
+        "mamba_n_groups": 2,
+        "mamba_d_state": SSM_STATE_SIZE,
+        "mamba_d_conv": CONV_KERNEL,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "time_step_limit": [0.0, float("inf")],
+    }
+
+
 def _local_swa(config: Config) -> Config:
     """Every layer windowed, none global: mlx-lm's Step-3.5 class, dense.
 
@@ -255,6 +285,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _moe),
     "qwen3_5": Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _qwen3_5, min_layers=4),
     "qwen3_next": Family("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next, min_layers=2),
+    "granite4": Family("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granite4),
     "nemotron_h": Family("NemotronHForCausalLM", "nemotron_h", _nemotron_h, min_layers=2),
 }
 

@@ -40,6 +40,7 @@ CACHE_LAYOUTS = {
     "qwen3_moe": [K, K],
     "qwen3_5": [A, A, A, K],
     "qwen3_next": [A, K],
+    "granite4": [A, K],
     "nemotron_h": [A, K],  # blocks M - * -: the MLP blocks have no cache
 }
 SLIDING = [arch for arch, layout in CACHE_LAYOUTS.items() if R in layout]
