@@ -63,18 +63,15 @@ def chat_renderer(
     first = [True]
 
     def render_delta(c: Output, text: str) -> dict:
-        calls_before = splitter.calls
         parts = splitter.feed(text, final=c.finish_reason is not None)
         delta = {"role": "assistant"} if first[0] else {}
         first[0] = False
-        if parts.content or not (parts.reasoning or parts.tool_calls):
+        if parts.content or not (parts.reasoning or parts.tool_deltas):
             delta["content"] = parts.content
         if parts.reasoning:
             delta["reasoning_content"] = parts.reasoning
-        if parts.tool_calls:
-            delta["tool_calls"] = [
-                call.openai(calls_before + i) for i, call in enumerate(parts.tool_calls)
-            ]
+        if parts.tool_deltas:
+            delta["tool_calls"] = [d.openai() for d in parts.tool_deltas]
         choice = {"index": index, "delta": delta, "logprobs": logprobs_of(c)}
         choice["finish_reason"] = finish_reason(c.finish_reason, splitter)
         return body("chat.completion.chunk", choice)

@@ -115,11 +115,11 @@ def _tagged(
 
 def _value(terminal: str, schema: dict, after: str) -> tuple[str, str]:
     """(expression, extra rules) of a parameter's value, followed by the text `after`."""
-    if schema.get("type") != "string":
-        return json_rule(schema), ""
     choices = [schema["const"]] if "const" in schema else schema.get("enum")
     if choices and all(isinstance(c, str) for c in choices):
         return "(" + " | ".join(_lit(c) for c in choices) + ")", ""
+    if schema.get("type") != "string":
+        return json_rule(schema), ""
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     length = f"{{{low},{'' if high is None else high}}}"
     rule = (

@@ -20,7 +20,7 @@ _TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
-    "Call a function as HINT<|im_end|>\n"
+    "Call a function as @HINT@<|im_end|>\n"
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
@@ -28,7 +28,7 @@ _TEMPLATE = (
     "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
     "{% for tool_call in message.tool_calls or [] %}"
     "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
-    "CALL{% endfor %}<|im_end|>\n"
+    "@CALL@{% endfor %}<|im_end|>\n"
     "{% elif message.role == 'tool' %}"
     "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
@@ -79,7 +79,7 @@ FORMATS = {
 
 def agent_template(tool_format: str = "json_tools") -> str:
     hint, call = FORMATS[tool_format]
-    return _TEMPLATE.replace("HINT", hint).replace("CALL", call)
+    return _TEMPLATE.replace("@HINT@", hint).replace("@CALL@", call)
 
 
 AGENT_TEMPLATE = agent_template()
