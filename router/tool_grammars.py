@@ -84,11 +84,12 @@ def _kimi_k2(functions: list[dict]) -> str:
 
 def _tagged(
     head: str, tail: str, name: Callable[[str], str], param: Callable[[str], tuple],
-    kind: str = "", needs_argument: bool = False,
+    kind: str = "", needs_argument: bool = False, raw_strings: bool = True,
 ):  # fmt: skip
     """A writer for formats `head` <name(fn)> <param(k) per parameter> `tail`, where
     param(k) = (text before the value, text after it); `needs_argument`: the parser cannot
-    read a call without one."""
+    read a call without one; `raw_strings`: its parser takes a string value as the text
+    (else as JSON, which every value then is)."""
 
     def write(functions: list[dict]) -> str:
         def one(i: int, f: dict) -> tuple[str, str]:
@@ -102,7 +103,10 @@ def _tagged(
             parts, rules = [_lit(name(f["name"]))], []
             for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
                 before, after = param(key)
-                value, rule = _value(f"V{i}_{j}", sub if isinstance(sub, dict) else {}, after)
+                sub = sub if isinstance(sub, dict) else {}
+                value, rule = (
+                    _value(f"V{i}_{j}", sub, after) if raw_strings else (json_rule(sub), "")
+                )
                 part = f"{_lit(before)} {value} {_lit(after)}"
                 parts.append(part if key in required else f"({part})?")
                 rules.append(rule)
@@ -129,6 +133,74 @@ def _value(terminal: str, schema: dict, after: str) -> tuple[str, str]:
     return terminal, rule
 
 
+# ------------------------------------------------------------------- keyword arguments
+
+
+def _keyword_call(head: str, tail: str, call: str, kv: Callable, kind: str):
+    """A writer for formats `head` call(name) <k=v, ...> `tail`, comma-separated, where
+    kv(key, schema, terminal, kind) = (expression, extra rules) of one argument."""
+    call_head, call_tail = call.split("{}")
+
+    def write(functions: list[dict]) -> str:
+        def one(i: int, f: dict) -> tuple[str, str]:
+            schema = _parameters(f)
+            required = set(schema.get("required") or [])
+            items, rules = [], []
+            for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+                expr, rule = kv(key, sub if isinstance(sub, dict) else {}, f"V{i}_{j}", kind)
+                items.append((expr, key in required))
+                rules.append(rule)
+            arguments = _comma_list(items)
+            head_lit = _lit(call_head.replace("NAME", f["name"]))
+            return f"{head_lit} {arguments} {_lit(call_tail)}", "".join(rules)
+
+        return f"call: {_lit(head)} fn {_lit(tail)}\n" + _alternatives(functions, one)
+
+    return write
+
+
+def _comma_list(items: list[tuple[str, bool]]) -> str:
+    """The (expression, required) items joined by commas, the optional ones maybe left out
+    (required ones first: keyword arguments are read in any order)."""
+    required = [e for e, r in items if r]
+    optional = [e for e, r in items if not r]
+    if required:
+        return ' "," '.join(required) + "".join(f' ("," {e})?' for e in optional)
+    if not optional:
+        return '""'
+    leads = [e + "".join(f' ("," {o})?' for o in optional[k + 1 :]) for k, e in enumerate(optional)]
+    return "(" + " | ".join(leads) + ")?"
+
+
+def _python_keyword(key: str, schema: dict, terminal: str, kind: str) -> tuple[str, str]:
+    """pythonic: key=<JSON>, which its parser reads as a Python literal (true/false/null
+    included)."""
+    return f"{_lit(key + '=')} {json_rule(schema)}", ""
+
+
+def _gemma_keyword(key: str, schema: dict, terminal: str, kind: str) -> tuple[str, str]:
+    """function_gemma: key:<escape>text<escape> for a string, key:<JSON scalar> otherwise;
+    its parser ends the call at the first `}` and a value at the first `,`, so a string
+    holds neither `}` nor the escape, and objects and arrays cannot be written."""
+    key_lit = _lit(key + ":")
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices and all(isinstance(c, str) for c in choices):
+        values = " | ".join(_lit(f"<escape>{c}<escape>") for c in choices)
+        return f"{key_lit} ({values})", ""
+    kind_of = schema.get("type")
+    if kind_of == "string":
+        high = schema.get("maxLength")
+        length = f"{{{schema.get('minLength', 0)},{'' if high is None else high}}}"
+        rule = f'{terminal}: /[^}}]{length}/ & ~(/(?s:.*)/ "<escape>" /(?s:.*)/)\n'
+        return f'{key_lit} "<escape>" {terminal} "<escape>"', rule
+    if kind_of not in ("integer", "number", "boolean", "null"):
+        raise RequestError(
+            f"mlx-lm's {kind} tool parser cannot read the value of parameter {key!r} "
+            "(only strings, numbers, booleans and null), so this call cannot be forced"
+        )
+    return f"{key_lit} {json_rule(schema)}", ""
+
+
 _WRITERS: dict[str, Callable[[list[dict]], str]] = {
     "json_tools": _json_tools,
     "mistral": _mistral,
@@ -150,6 +222,23 @@ _WRITERS: dict[str, Callable[[list[dict]], str]] = {
     "minimax_m2": _tagged(
         "<minimax:tool_call>\n<invoke name=", "</invoke>\n</minimax:tool_call>",
         lambda n: f'"{n}">\n', lambda k: (f'<parameter name="{k}">', "</parameter>\n"),
+    ),
+    "minicpm5": _tagged(
+        "<function name=", "</function>",
+        lambda n: f'"{n}">', lambda k: (f'<param name="{k}">', "</param>"),
+    ),
+    "muse_spark": _tagged(
+        "<atem:function_calls>", "</atem:invoke></atem:function_calls>",
+        lambda n: f'<atem:invoke name="{n}">',
+        lambda k: (f'<atem:parameter name="{k}">', "</atem:parameter>"),
+        raw_strings=False,
+    ),
+    "pythonic": _keyword_call(
+        "<|tool_call_start|>[", "]<|tool_call_end|>", "NAME({})", _python_keyword, "pythonic"
+    ),
+    "function_gemma": _keyword_call(
+        "<start_function_call>", "<end_function_call>", "call:NAME{{}}", _gemma_keyword,
+        "function_gemma",
     ),
 }  # fmt: skip
 _WRITERS["laguna"] = _WRITERS["glm47"]  # mlx-lm's laguna parser is glm47's

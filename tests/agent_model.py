@@ -74,6 +74,28 @@ FORMATS = {
         + '<parameter name="{{ k }}">' + _VALUE + "</parameter>\n{% endfor %}</invoke>\n"
         "</minimax:tool_call>",
     ),
+    "minicpm5": (
+        '<function name="fn"><param name="p">value</param></function>',
+        '<function name="{{ tool_call.name }}">' + _EACH + '<param name="{{ k }}">' + _VALUE
+        + "</param>{% endfor %}</function>",
+    ),
+    "muse_spark": (
+        "<atem:function_calls>...",
+        '<atem:function_calls><atem:invoke name="{{ tool_call.name }}">' + _EACH
+        + '<atem:parameter name="{{ k }}">{{ v | tojson }}</atem:parameter>{% endfor %}'
+        "</atem:invoke></atem:function_calls>",
+    ),
+    "pythonic": (
+        "<|tool_call_start|>[name(arg=value)]<|tool_call_end|>",
+        "<|tool_call_start|>[{{ tool_call.name }}(" + _EACH + "{{ k }}={{ v | tojson }}"
+        "{% if not loop.last %}, {% endif %}{% endfor %})]<|tool_call_end|>",
+    ),
+    "function_gemma": (
+        "<start_function_call>call:name{...}<end_function_call>",
+        "<start_function_call>call:{{ tool_call.name }}{{ '{' }}" + _EACH + "{{ k }}:"
+        "{% if v is string %}<escape>{{ v }}<escape>{% else %}{{ v | tojson }}{% endif %}"
+        "{% if not loop.last %},{% endif %}{% endfor %}{{ '}' }}<end_function_call>",
+    ),
 }  # fmt: skip
 
 
