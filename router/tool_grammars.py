@@ -119,15 +119,13 @@ def _tagged(
 
 def _value(terminal: str, schema: dict, after: str) -> tuple[str, str]:
     """(expression, extra rules) of a parameter's value, followed by the text `after`."""
-    choices = [schema["const"]] if "const" in schema else schema.get("enum")
-    if choices and all(isinstance(c, str) for c in choices):
+    choices = _string_choices(schema)
+    if choices:
         return "(" + " | ".join(_lit(c) for c in choices) + ")", ""
     if schema.get("type") != "string":
         return json_rule(schema), ""
-    low, high = schema.get("minLength", 0), schema.get("maxLength")
-    length = f"{{{low},{'' if high is None else high}}}"
     rule = (
-        f"{terminal}: /(?s:.{length})/ & ~(/(?s:.*)/ {_lit(after)} /(?s:.*)/)"
+        f"{terminal}: /(?s:.{_length(schema)})/ & ~(/(?s:.*)/ {_lit(after)} /(?s:.*)/)"
         " & ~(/(?s:\\s.*)/) & ~(/(?s:.*\\s)/)\n"
     )
     return terminal, rule
@@ -183,15 +181,13 @@ def _gemma_keyword(key: str, schema: dict, terminal: str, kind: str) -> tuple[st
     its parser ends the call at the first `}` and a value at the first `,`, so a string
     holds neither `}` nor the escape, and objects and arrays cannot be written."""
     key_lit = _lit(key + ":")
-    choices = [schema["const"]] if "const" in schema else schema.get("enum")
-    if choices and all(isinstance(c, str) for c in choices):
+    choices = _string_choices(schema)
+    if choices:
         values = " | ".join(_lit(f"<escape>{c}<escape>") for c in choices)
         return f"{key_lit} ({values})", ""
     kind_of = schema.get("type")
     if kind_of == "string":
-        high = schema.get("maxLength")
-        length = f"{{{schema.get('minLength', 0)},{'' if high is None else high}}}"
-        rule = f'{terminal}: /[^}}]{length}/ & ~(/(?s:.*)/ "<escape>" /(?s:.*)/)\n'
+        rule = f'{terminal}: /[^}}]{_length(schema)}/ & ~(/(?s:.*)/ "<escape>" /(?s:.*)/)\n'
         return f'{key_lit} "<escape>" {terminal} "<escape>"', rule
     if kind_of not in ("integer", "number", "boolean", "null"):
         raise RequestError(
@@ -199,6 +195,18 @@ def _gemma_keyword(key: str, schema: dict, terminal: str, kind: str) -> tuple[st
             "(only strings, numbers, booleans and null), so this call cannot be forced"
         )
     return f"{key_lit} {json_rule(schema)}", ""
+
+
+def _string_choices(schema: dict) -> list[str] | None:
+    """The strings a const or enum of strings allows, else None."""
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    return choices if choices and all(isinstance(c, str) for c in choices) else None
+
+
+def _length(schema: dict) -> str:
+    """A regex repetition for a string schema's length bounds: {min,max}."""
+    high = schema.get("maxLength")
+    return f"{{{schema.get('minLength', 0)},{'' if high is None else high}}}"
 
 
 _WRITERS: dict[str, Callable[[list[dict]], str]] = {
