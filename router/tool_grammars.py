@@ -4,9 +4,11 @@ call that parser turns back into the function's name and arguments.
 
 Each writer returns lark rules (llguidance's dialect) defining `call`: the start marker,
 one call of one of the functions, the end marker. JSON formats hold the arguments to the
-function's JSON schema; the XML-like formats (one tag per parameter) write each declared
-parameter, the required ones always, a string one as raw text (without the closing tag or
-surrounding whitespace, which their parsers strip), any other as compact JSON of its schema.
+function's JSON schema; the XML-like formats (one tag per parameter) and the keyword-list
+ones (pythonic, function_gemma) write each declared parameter, the required ones always,
+a string one as raw text where the parser reads it so (without the closing tag or the
+surrounding whitespace their parsers strip), any other as compact JSON of its schema.
+A function whose call its format's parser cannot read back is refused with a RequestError.
 """
 
 from __future__ import annotations
