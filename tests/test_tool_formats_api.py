@@ -15,7 +15,7 @@ import pytest
 
 from tests.agent_model import build_agent_model
 from tests.server import checked_server
-from tests.test_tools_api import AGENT_SERVER, ASK, TOOLS, UNICODE_ARGS, WEATHER
+from tests.test_tools_api import AGENT_SERVER, ASK, TOOLS, UNICODE_ARGS, WEATHER, streamed
 
 
 @pytest.fixture(scope="module", params=["mistral", "qwen3_coder"])
@@ -62,12 +62,7 @@ def test_named_call_streams_like_the_whole_answer(oai):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     whole = chat(oai, tool_choice=choice).choices[0].message.tool_calls[0]
     jsonschema.validate(json.loads(whole.function.arguments), WEATHER)
-    pieces = []
-    with oai.chat.completions.stream(**BASE, tool_choice=choice, extra_body=NO_THINKING) as stream:
-        for event in stream:
-            if event.type == "tool_calls.function.arguments.delta":
-                pieces.append(event.arguments_delta)
-        final = stream.get_final_completion().choices[0]
+    final, pieces = streamed(oai, **BASE, tool_choice=choice, extra_body=NO_THINKING)
     (call,) = final.message.tool_calls
     assert final.finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == json.loads(whole.function.arguments)
