@@ -7,7 +7,7 @@ the brace that closes it. The other formats' calls are parsed whole at their end
 
 from __future__ import annotations
 
-import regex as re
+import regex as re  # partial matches; what mlx-lm's tool parsers import too
 
 # format -> the header before the arguments: group "name", and "id" where the parser has one
 _HEADERS = {
