@@ -243,3 +243,16 @@ def test_bearer_and_x_api_key_both_work(server):
     )
     assert with_key.status_code == 200
     assert json.loads(with_key.text)["usage"]["completion_tokens"] == 1
+
+
+def test_thinking_signatures_outlive_the_server(tmp_path):
+    """Two signers (two runs of the server) on one key file sign alike; another file's
+    signer refuses their blocks."""
+    from router.thinking_signature import ThinkingSigner, stored_key
+
+    path = tmp_path / "state" / "key"
+    first, second = ThinkingSigner(stored_key(path)), ThinkingSigner(stored_key(path))
+    assert second.valid("a thought", first.sign("a thought"))
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    other = ThinkingSigner(stored_key(tmp_path / "other"))
+    assert not other.valid("a thought", first.sign("a thought"))
