@@ -252,6 +252,27 @@ def _granite4(config: Config) -> Config:
     }
 
 
+def _falcon_h1(config: Config) -> Config:
+    """Falcon-H1: every layer runs a Mamba-2 mixer and attention side by side (mlx-lm
+    caches each layer as a CacheList of the two), with Falcon's muP multipliers."""
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    heads = 2 * hidden // head_dim  # Mamba's expand = 2
+    return {
+        **config,
+        "mamba_d_ssm": heads * head_dim,
+        "mamba_n_heads": heads,
+        "mamba_d_head": head_dim,
+        "mamba_n_groups": 1,
+        "mamba_d_state": SSM_STATE_SIZE,
+        "mamba_d_conv": CONV_KERNEL,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 16,
+        "mamba_rms_norm": True,
+        "embedding_multiplier": 2.0,
+        "lm_head_multiplier": 0.5,
+    }
+
+
 def _local_swa(config: Config) -> Config:
     """Every layer windowed, none global: mlx-lm's Step-3.5 class, dense.
 
@@ -285,6 +306,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _moe),
     "qwen3_5": Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _qwen3_5, min_layers=4),
     "qwen3_next": Family("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next, min_layers=2),
+    "falcon_h1": Family("FalconH1ForCausalLM", "falcon_h1", _falcon_h1),
     "granite4": Family("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granite4),
     "nemotron_h": Family("NemotronHForCausalLM", "nemotron_h", _nemotron_h, min_layers=2),
 }

@@ -28,7 +28,7 @@ BUILT_FILES = ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_
 PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, "
 ROUND_TRIP = "Héllo wörld — 你好，世界！ emoji 🚀 def f(x):\n\treturn x"
 
-R, K, A = "RotatingKVCache", "KVCache", "ArraysCache"
+R, K, A, L = "RotatingKVCache", "KVCache", "ArraysCache", "CacheList"
 # mlx-lm's cache per layer (what its make_cache gives): the layouts the builder promises.
 CACHE_LAYOUTS = {
     "mistral_swa": [R, R, K],
@@ -41,10 +41,11 @@ CACHE_LAYOUTS = {
     "qwen3_5": [A, A, A, K],
     "qwen3_next": [A, K],
     "granite4": [A, K],
+    "falcon_h1": [L, L],  # each a Mamba-2 state and attention KV: the two run side by side
     "nemotron_h": [A, K],  # blocks M - * -: the MLP blocks have no cache
 }
 SLIDING = [arch for arch, layout in CACHE_LAYOUTS.items() if R in layout]
-HYBRID = [arch for arch, layout in CACHE_LAYOUTS.items() if A in layout]
+HYBRID = [arch for arch, layout in CACHE_LAYOUTS.items() if A in layout or L in layout]
 
 
 def greedy(model, ids: list[int], n: int = 24, cache=None) -> list[int]:
@@ -166,7 +167,8 @@ def test_recurrent_state_carries_the_prefix(arch, tiny_arch) -> None:
     def after_first_chunk(drop_state: bool) -> list[int]:
         caches = make_prompt_cache(model)
         model(mx.array([ids[:32]]), cache=caches)
-        for cache in caches:
+        flat = [c for cache in caches for c in getattr(cache, "caches", [cache])]
+        for cache in flat:
             if drop_state and isinstance(cache, ArraysCache):
                 cache.cache = [None] * len(cache.cache)
         return greedy(model, ids[32:], cache=caches)

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from worker_mlx.kv_codec import FloatCodec, QuantizedCodec, decode_kv, encode_kv, make_codec
 
@@ -39,6 +40,9 @@ class KVLayout:
     # per KV layer, (key width, value width) where the layers differ (Gemma 4's global
     # layers are twice as wide per head as its local ones); () when all are the above
     layer_widths: tuple[tuple[int, int], ...] = ()
+    # per model layer, how many of the caches above it takes as one CacheList (Falcon-H1's
+    # layers run a Mamba mixer and attention side by side); () when each takes one
+    groups: tuple[int, ...] = ()
 
     @property
     def value_dim(self) -> int:
@@ -74,7 +78,14 @@ class KVLayout:
         recurrent layer) interleaved as the model's layers use them."""
         kv_it, state_it = iter(kv), iter(states)
         total = self.num_layers + len(self.recurrent)
-        return [next(state_it) if i in self.recurrent else next(kv_it) for i in range(total)]
+        flat = [next(state_it) if i in self.recurrent else next(kv_it) for i in range(total)]
+        if not self.groups:
+            return flat
+        grouped, start = [], 0
+        for n in self.groups:
+            grouped.append(CacheList(*flat[start : start + n]))
+            start += n
+        return grouped
 
 
 class MlxKVPool:
