@@ -335,21 +335,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    model = args.model_path
+def start_server(model: str | None, server_args: str, name: str):
+    """A `radix-mlx serve` of `model` (the tiny default when None) on free ports, started:
+    (server, model, its log, seconds to start)."""
     if model is None:
         from common.tiny_model import ensure_tiny_model
 
         model = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset="tiny"))
     port, zmq_port = free_ports(2)
     cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(port),
-           "--zmq-port", str(zmq_port), *args.server_args.split()]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
+           "--zmq-port", str(zmq_port), *server_args.split()]  # fmt: skip
+    log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
     server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log)
     started = time.monotonic()
     server.start(timeout=600)
-    start_seconds = time.monotonic() - started
+    return server, model, log, time.monotonic() - started
+
+
+def save_record(out: str, name: str, record: dict) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"saved {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server, model, log, start_seconds = start_server(args.model_path, args.server_args, "soak")
     try:
         result = asyncio.run(soak(server.url, server.proc.pid, args))
     finally:
@@ -377,11 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle": idle,
         "server_log": str(log),
     }  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"saved {path}")
+    save_record(args.out, "soak", record)
     return 0
 
 
