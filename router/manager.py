@@ -30,6 +30,7 @@ import zmq.asyncio
 from common.messages import (
     ROUTER_INBOX,
     AbortReq,
+    CacheEvicted,
     GenerateReq,
     ReqError,
     SamplingParams,
@@ -162,6 +163,8 @@ class RouterManager:
             replica.stats = msg
             if self.metrics:
                 self.metrics.observe_stats(msg, replica.id)
+        elif isinstance(msg, CacheEvicted):
+            self.policy.evicted(replica, msg.paths)
         elif isinstance(msg, SchedulerReady):
             self._replica_ready(replica, msg)
         elif isinstance(msg, WorkerHung):

@@ -38,6 +38,7 @@ from common.messages import (
     REPLICA_INBOX,
     ROUTER_INBOX,
     AbortReq,
+    CacheEvicted,
     GenerateReq,
     ModelIdentity,
     ReplicaFrameError,
@@ -152,7 +153,7 @@ class ReplicaServer:
             peer = self.owner.pop(msg.rid, None)
             if peer is not None:
                 self._send(peer, frame)
-        elif isinstance(msg, SchedulerStats):
+        elif isinstance(msg, (SchedulerStats, CacheEvicted)):  # every router's concern
             for peer in self.routers:
                 self._send(peer, frame)
         elif isinstance(msg, SchedulerReady):

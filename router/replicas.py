@@ -13,8 +13,8 @@ retried), `refused` (it serves another model; never gets traffic).
 The seam for a replica this router did not start (a pair reached at tcp://HOST:PORT): it
 needs a `ReplicaLink` (below) whose `send` reaches its scheduler with the messages of
 `common.messages.SCHEDULER_FROM_ROUTER` and whose `recv` returns the scheduler's frames
-(`ROUTER_INBOX`: TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, WorkerHung);
-`RouterManager.add_replica` then starts reading it. Its ready report is the
+(`ROUTER_INBOX`: TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted,
+WorkerHung); `RouterManager.add_replica` then starts reading it. Its ready report is the
 SchedulerReady frame (the manager marks it ready); its liveness is the stream of
 SchedulerStats (at least one a second): one silent for SILENT_AFTER gets no new traffic,
 and whatever watches it calls `replica_down` when it gives it up. Nothing else of the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -101,6 +102,39 @@ def test_groups_stick_to_a_replica_and_cache_like_one_replica(
     assert abs(share - single) <= 0.05 * single, (share, single)
     assert any(len(replicas) == 2 for replicas in rr_landed.values())
     assert round_robin < 0.95 * single, (round_robin, single)
+
+
+@pytest.fixture(scope="module")
+def tiny_pools(tiny_model, tmp_path_factory):
+    """2 replicas of 512 slots each: a long generation evicts what the other prompts left."""
+    log = tmp_path_factory.mktemp("dp2-tiny") / "server.log"
+    with checked_server(tiny_model, log, ["--max-total-tokens", "512", "--dp-size", "2"]) as srv:
+        yield srv
+
+
+def _run(lo: int, n: int, rng: random.Random) -> list[int]:
+    """n tokens from [lo, lo + 80): runs from disjoint ranges share no prefix by chance."""
+    return [rng.randrange(lo, lo + 80) for _ in range(n)]
+
+
+def test_routing_follows_what_a_replica_evicted(tiny_pools):
+    """r0 caches P[:100] (and more), r1 only P[:60]; then a long generation on r0 evicts all
+    of P there. A prompt starting with P[:100] goes to r1, which still holds P[:60]: had the
+    router not been told of the eviction, r0's longer (stale) match would have won."""
+    url, rng = tiny_pools.url, random.Random(5)
+    p = _run(10, 100, rng)
+    steps = [  # (prompt, max_tokens, where cache_aware sends it and why)
+        (p + _run(90, 100, rng), 1, "r0"),  # both trees empty: the first
+        (p[:60] + _run(170, 140, rng), 1, "r1"),  # a 30% match: below the threshold
+        (p + _run(250, 60, rng), 1, "r0"),  # 63% of it on r0: a hit
+        (p[:60] + _run(330, 140, rng), 1, "r1"),  # a miss: r1's tree is the smaller
+        (_run(410, 40, rng), 420, "r0"),  # a miss to r0: 460 slots, so P goes from r0
+    ]
+    for prompt, max_tokens, expected in steps:
+        replica, _, _ = _complete(url, prompt, max_tokens)
+        assert replica == expected, (len(prompt), max_tokens)
+    replica, usage, _ = _complete(url, p + _run(90, 10, rng), 1)
+    assert replica == "r1" and usage["prompt_tokens_details"]["cached_tokens"] == 60
 
 
 def _wait_state(url: str, replica: str, states: tuple[str, ...], timeout: float = 60) -> None:
