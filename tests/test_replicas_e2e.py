@@ -16,11 +16,13 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from router.metrics import METRICS
 from tests.conftest import mlx_greedy
 from tests.server import checked_server
 from tests.test_faults import _body, _post_in_thread, _prompts, _stopped, _stream
-from tests.test_metrics import PREFIX, scrape
+from tests.test_metrics import PREFIX, delta, parse, scrape
 from tests.test_routing import _groups
 
 pytestmark = pytest.mark.slow
@@ -135,6 +137,36 @@ def test_routing_follows_what_a_replica_evicted(tiny_pools):
         assert replica == expected, (len(prompt), max_tokens)
     replica, usage, _ = _complete(url, p + _run(90, 10, rng), 1)
     assert replica == "r1" and usage["prompt_tokens_details"]["cached_tokens"] == 60
+
+
+def test_scheduler_side_series_carry_the_replica_label(tiny_pools):
+    """A real scrape with --dp-size 2: every scheduler-side sample is one replica's, and a
+    request counts on the replica it landed on only."""
+    per_replica = {PREFIX + n for n in METRICS} - {
+        PREFIX + n for n in METRICS if n.startswith(("process_", "routing_", "replica_"))
+    }
+    before = scrape(tiny_pools.url)
+    prompt = _prompts(1, 41)[0]
+    replica, _, _ = _complete(tiny_pools.url, prompt, 3)
+    text = httpx.get(tiny_pools.url + "/metrics", timeout=10).text
+    after = parse(text)
+    for fam in text_string_to_metric_families(text):
+        if fam.name in per_replica:
+            assert fam.samples, fam.name
+            assert {s.labels.get("replica") for s in fam.samples} <= {"r0", "r1"}, fam.name
+    other = {"r0": "r1", "r1": "r0"}[replica]
+    for name, expected in [
+        ('prompt_tokens_total{replica="R"}', len(prompt)),
+        ('generation_tokens_total{replica="R"}', 3),
+        ('requests_total{finish_reason="length",replica="R"}', 1),
+        ('time_to_first_token_seconds_count{replica="R"}', 1),
+        ('e2e_request_latency_seconds_count{replica="R"}', 1),
+    ]:
+        key = PREFIX + name.replace('"R"', f'"{replica}"')
+        assert delta(after, before, key) == expected, key
+        assert delta(after, before, key.replace(replica, other)) == 0, key
+    assert after[PREFIX + 'kv_pool_capacity_tokens{replica="r0"}'] == 512
+    assert after[PREFIX + "kv_pool_capacity_tokens"] == 1024  # the sum: the server's pools
 
 
 def _wait_state(url: str, replica: str, states: tuple[str, ...], timeout: float = 60) -> None:

@@ -230,5 +230,7 @@ def test_dashboard_has_a_per_replica_row():
     titles = [p["title"] for p in board["panels"]]
     assert "Replicas (--dp-size)" in titles
     exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
-    assert "sum by (replica) (rate(radix_mlx_replica_cached_tokens_total" in exprs
+    assert "sum by (replica) (rate(radix_mlx_cached_tokens_total" in exprs
+    assert "sum by (replica) (radix_mlx_num_running_requests" in exprs
+    assert "sum by (replica, le) (rate(radix_mlx_time_to_first_token_seconds_bucket" in exprs
     assert "sum by (policy, reason) (rate(radix_mlx_routing_decisions_total" in exprs
