@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import msgpack
 import pytest
 import zmq
@@ -43,7 +44,7 @@ from common.protocol import ProtocolError, decode, encode
 from common.server_args import ServerArgs
 from router.remote_replica import RemoteLink
 from tests.conftest import mlx_greedy
-from tests.server import RADIX_MLX, ReplicaProcess, exited
+from tests.server import RADIX_MLX, ReplicaProcess, ServerProcess, exited
 from tests.test_fuzz_decoders import _mutate, values
 
 pytestmark = pytest.mark.slow
@@ -385,3 +386,36 @@ def test_bad_frames_from_a_replica_never_stop_the_router_link(tiny_model):
     frames, state = run(go())
     assert frames[0] == b"x"  # a scheduler frame: passed on for the manager to judge
     assert decode(frames[1], ROUTER_INBOX) == ready and state == "ready"
+
+
+def _health(url: str) -> tuple[int, dict[str, str]]:
+    r = httpx.get(url + "/health", timeout=5)
+    return r.status_code, {rep["id"]: rep["state"] for rep in r.json()["replicas"]}
+
+
+def test_the_router_serves_on_from_a_remote_replica_once_its_local_one_is_given_up(
+    keyed_replica, tiny_model, keys, tmp_path
+):
+    extra = [*POOL, "--dp-size", "1", "--max-restarts", "0", "--replica", keyed_replica.address,
+             "--curve-secret-key", f"{keys}/router.key_secret",
+             "--curve-server-key", f"{keys}/replica.key"]  # fmt: skip
+    server = ServerProcess(tiny_model, tmp_path / "server.log", extra=extra)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while _health(server.url)[1] != {"r0": "ready", "r1": "ready"}:
+            assert time.monotonic() < deadline, _health(server.url)
+            time.sleep(0.1)
+        os.kill(server.child("worker"), signal.SIGKILL)  # --max-restarts 0: r0 is given up
+        while "every local replica is given up" not in server.log():
+            assert time.monotonic() < deadline + 60 and server.proc.poll() is None, server.log()
+            time.sleep(0.1)
+        assert _health(server.url) == (200, {"r0": "down", "r1": "ready"})
+        prompt = [5, 9, 200, 17, 3, 88]
+        body = {"prompt": prompt, "max_tokens": 5, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == mlx_greedy(tiny_model, prompt, 5)
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
