@@ -9,7 +9,6 @@ when the replica stops fail at their router with a 503 naming the replica.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import shutil
 import signal
@@ -24,7 +23,7 @@ from common.log import setup_logging
 from common.model_identity import describe, model_identity
 from common.server_args import ServerArgs
 from router.metrics import Metrics
-from router.model_files import ModelNotFound, resolve_model_path
+from router.model_files import resolve_args
 from router.replica_server import ReplicaServer, replica_args_problem
 from router.supervisor import Children, Supervisor
 
@@ -39,13 +38,9 @@ def run_replica(args: ServerArgs) -> int:
     if problem:
         logger.error("%s", problem)
         return 2
-    try:
-        args.validate()
-        model_dir = resolve_model_path(args.model_path)
-    except (ValueError, ModelNotFound) as exc:
-        logger.error("%s", exc)
+    child_args = resolve_args(args, logger)
+    if child_args is None:
         return 1
-    child_args = dataclasses.replace(args, model_path=model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)

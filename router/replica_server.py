@@ -36,7 +36,6 @@ from common.ipc import Endpoints
 from common.messages import (
     REPLICA_CONTROL,
     REPLICA_INBOX,
-    ROUTER_INBOX,
     AbortReq,
     CacheEvicted,
     GenerateReq,
@@ -50,9 +49,9 @@ from common.messages import (
     TokenOutBatch,
     WorkerHung,
 )
-from common.protocol import ProtocolError, decode, encode, peek_rid, peek_rids
+from common.protocol import ProtocolError, decode, encode, peek_rid
 from common.server_args import ServerArgs
-from router.replicas import Replica, ReplicaLink
+from router.replicas import Replica, ReplicaLink, read_scheduler
 
 logger = logging.getLogger("replica")
 ROUTER_TIMEOUT = 10.0  # seconds without a frame (pings come every 0.5 s) before a router is gone
@@ -134,17 +133,10 @@ class ReplicaServer:
     # ------------------------------------------------------------ scheduler -> routers
 
     async def scheduler_loop(self) -> None:
-        while True:
-            frame = await self.local.link.recv()
-            self.local.last_heard = time.monotonic()
-            try:
-                msg = decode(frame, ROUTER_INBOX)
-            except ProtocolError as exc:
-                logger.error("bad frame from scheduler: %s", exc)
-                for rid in peek_rids(frame):
-                    self._fail(rid, f"bad frame from the scheduler: {exc}", "internal_error", 500)
-                continue
-            self._on_scheduler_message(msg, frame)
+        def lost(rid: str, why: str) -> None:
+            self._fail(rid, why, "internal_error", 500)
+
+        await read_scheduler(self.local, self._on_scheduler_message, lost, logger)
 
     def _on_scheduler_message(self, msg, frame: bytes) -> None:
         if isinstance(msg, TokenOutBatch):

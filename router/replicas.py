@@ -24,14 +24,17 @@ router differs between a local and a remote replica.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from common.ipc import Endpoints, bind_pull, connect_push
-from common.messages import SchedulerReady, SchedulerStats, WorkerHung
+from common.messages import ROUTER_INBOX, SchedulerReady, SchedulerStats, WorkerHung
+from common.protocol import ProtocolError, decode, peek_rids
 
 # A replica whose scheduler has sent nothing for this long gets no new requests until it
 # speaks again (its scheduler sends stats at least once a second, also during a long step).
@@ -124,3 +127,26 @@ class ReplicaSet:
     def first_ready(self) -> SchedulerReady | None:
         """A ready report (every replica serves the same model, so any will do)."""
         return next((r.ready for r in self.replicas if r.ready is not None), None)
+
+
+async def read_scheduler(
+    replica: Replica,
+    on_message: Callable[[object, bytes], None],
+    on_lost: Callable[[str, str], None],
+    log: logging.Logger,
+) -> None:
+    """Read a replica's scheduler frames for ever (the router's and a remote replica's
+    relay alike): each is a sign of life; a decoded one goes to `on_message(msg, frame)`;
+    one that does not decode is logged, and each request it names is lost
+    (`on_lost(rid, why)`: its answer is gone, so it must not wait)."""
+    while True:
+        frame = await replica.link.recv()
+        replica.last_heard = time.monotonic()
+        try:
+            msg = decode(frame, ROUTER_INBOX)
+        except ProtocolError as exc:
+            log.error("bad frame from the scheduler of replica %s: %s", replica.id, exc)
+            for rid in peek_rids(frame):
+                on_lost(rid, f"bad frame from the scheduler: {exc}")
+            continue
+        on_message(msg, frame)
