@@ -346,7 +346,7 @@ class ReplicaStatus:
 
     identity: ModelIdentity
     instance: str
-    state: str  # "starting", "ready", "restarting" or "stopped"
+    state: str  # "starting", "ready", "restarting", "draining" (no new requests) or "stopped"
     reason: str = ""
     ready: SchedulerReady | None = None
 

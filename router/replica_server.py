@@ -206,6 +206,12 @@ class ReplicaServer:
     def serving(self) -> None:
         self._broadcast_status()
 
+    def draining(self) -> None:
+        """SIGTERM: routers send nothing new (and new requests are refused with a 503);
+        what runs goes on until it ends or the drain times out."""
+        self.state, self.reason = "draining", "draining: the replica is shutting down"
+        self._broadcast_status()
+
     def stopped(self, reason: str) -> None:
         self.state, self.reason = "stopped", reason
         self._broadcast_status()

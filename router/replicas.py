@@ -7,7 +7,8 @@ outputs, each on its own receive task; a replica's supervisor (local pairs:
 `router.supervisor`) reports its failures (`RouterManager.replica_down`).
 
 States: `starting` (spawned or reconnecting; no traffic), `ready` (its SchedulerReady came;
-it gets traffic), `down` (dead, silent, or given up; its in-flight requests were failed or
+it gets traffic), `draining` (a remote replica shutting down: no new traffic, its requests
+in flight go on), `down` (dead, silent, or given up; its in-flight requests were failed or
 retried), `refused` (it serves another model; never gets traffic).
 
 The seam for a replica this router did not start (a pair reached at tcp://HOST:PORT): it
@@ -39,7 +40,7 @@ from common.protocol import ProtocolError, decode, peek_rids
 # A replica whose scheduler has sent nothing for this long gets no new requests until it
 # speaks again (its scheduler sends stats at least once a second, also during a long step).
 SILENT_AFTER = 2.0
-STATES = ("starting", "ready", "down", "refused")
+STATES = ("starting", "ready", "draining", "down", "refused")
 
 
 class ReplicaLink:
