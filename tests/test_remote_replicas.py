@@ -48,6 +48,7 @@ from tests.server import RADIX_MLX, ReplicaProcess, ServerProcess, exited
 from tests.test_faults import _post_in_thread
 from tests.test_fuzz_decoders import _mutate, values
 from tests.test_metrics import PREFIX, delta, scrape, wait_for
+from tests.test_replicas_e2e import _health
 
 pytestmark = pytest.mark.slow
 POOL = ["--max-total-tokens", "4096"]
@@ -388,11 +389,6 @@ def test_bad_frames_from_a_replica_never_stop_the_router_link(tiny_model):
     frames, state = run(go())
     assert frames[0] == b"x"  # a scheduler frame: passed on for the manager to judge
     assert decode(frames[1], ROUTER_INBOX) == ready and state == "ready"
-
-
-def _health(url: str) -> tuple[int, dict[str, str]]:
-    r = httpx.get(url + "/health", timeout=5)
-    return r.status_code, {rep["id"]: rep["state"] for rep in r.json()["replicas"]}
 
 
 def test_the_router_serves_on_from_a_remote_replica_once_its_local_one_is_given_up(
