@@ -123,10 +123,6 @@ class ApproxTree:
         self.root.children.clear()
         self.size = 0
 
-    def tokens(self) -> int:
-        """The tokens on all edges, counted (what `size` keeps track of)."""
-        return sum(len(n.edge) for n in self._nodes())
-
     def _nodes(self):
         stack = [self.root]
         while stack:
