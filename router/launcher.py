@@ -38,7 +38,7 @@ from router.frontdoor import FrontDoor
 from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
-from router.model_files import ModelNotFound, load_tokenizer, resolve_model_path
+from router.model_files import load_tokenizer, resolve_args
 from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
@@ -52,15 +52,12 @@ HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being wri
 def serve(args: ServerArgs) -> int:
     set_title("router")
     setup_logging("router", args.log_level)
-    try:
-        args.validate()
-        model_dir = resolve_model_path(args.model_path)
-    except (ValueError, ModelNotFound) as exc:
-        logger.error("%s", exc)
-        return 1
     if args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=args.model_path)
-    child_args = dataclasses.replace(args, model_path=model_dir)
+    child_args = resolve_args(args, logger)
+    if child_args is None:
+        return 1
+    model_dir = child_args.model_path
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)

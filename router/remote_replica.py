@@ -9,6 +9,7 @@ link turns what it hears, and what it does not, into the replica's `state`:
 - `ready`: it serves the router's model (its ModelIdentity equals the router's) and its
   scheduler is ready;
 - `starting`: connected; its children are loading or being restarted;
+- `draining`: it is shutting down (SIGTERM): no new requests, those in flight go on;
 - `down`: nothing heard for SILENCE_TIMEOUT (dead, unreachable or hung), or it stopped;
 - `refused`: it serves another model, or the CURVE handshake failed (a key that does not
   match); the reason says which, logged once as one line.
@@ -185,6 +186,9 @@ class RemoteLink:
         elif status.state in ("starting", "restarting"):
             self.ready = None
             self._set("starting", status.reason or status.state)
+        elif status.state == "draining":  # shutting down: its requests in flight go on
+            self.ready = None
+            self._set("draining", status.reason or status.state)
         else:
             self.ready = None
             self._set("down", status.reason or status.state)
@@ -234,6 +238,9 @@ def attach_remote_replicas(manager, args: ServerArgs, identity: ModelIdentity, c
 
 
 def _follow(manager, replica, link: RemoteLink) -> None:
+    if link.state == "draining":  # no new requests; it answers those it has
+        replica.state, replica.reason = "draining", link.reason
+        return
     if link.state == "ready":
         if replica.state == "refused":
             replica.state = "starting"  # takes the SchedulerReady that `recv` returns next
