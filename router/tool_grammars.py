@@ -199,6 +199,67 @@ def _gemma_keyword(key: str, schema: dict, terminal: str, kind: str) -> tuple[st
     return f"{key_lit} {json_rule(schema)}", ""
 
 
+GEMMA4_QUOTE = '<|"|>'
+
+
+def _gemma4_keyword(key: str, schema: dict, terminal: str, kind: str) -> tuple[str, str]:
+    """gemma4: key:VALUE, its parser quoting the bare keys (word characters only) and
+    reading <|"|>text<|"|> as a string; objects and arrays nest in the same syntax."""
+    if not key.isidentifier():
+        raise RequestError(
+            f"mlx-lm's gemma4 tool parser reads only word characters in a key, so parameter "
+            f"{key!r} cannot be forced"
+        )
+    value, rules = _gemma4_value(schema, terminal, key)
+    return f"{_lit(key + ':')} {value}", rules
+
+
+def _gemma4_value(schema: dict, terminal: str, key: str) -> tuple[str, str]:
+    choices = _string_choices(schema)
+    if choices:
+        return "(" + " | ".join(_lit(GEMMA4_QUOTE + c + GEMMA4_QUOTE) for c in choices) + ")", ""
+    kind = schema.get("type")
+    if kind == "string":
+        quote = _lit(GEMMA4_QUOTE)
+        rule = f"{terminal}: /(?s:.{_length(schema)})/ & ~(/(?s:.*)/ {quote} /(?s:.*)/)\n"
+        return f"{quote} {terminal} {quote}", rule
+    if kind in ("integer", "number", "boolean", "null") or "enum" in schema or "const" in schema:
+        return json_rule(schema), ""
+    if kind == "array" and isinstance(schema.get("items", {}), dict):
+        item, rules = _gemma4_value(schema.get("items", {}), terminal + "_i", key)
+        low, high = schema.get("minItems", 0), schema.get("maxItems")
+        return f'"[" {_bounded_list(item, low, high)} "]"', rules
+    if kind == "object" and schema.get("properties"):
+        required = set(schema.get("required") or [])
+        items, rules = [], []
+        for j, (name, sub) in enumerate(schema["properties"].items()):
+            expr, rule = _gemma4_keyword(name, sub if isinstance(sub, dict) else {},
+                                         f"{terminal}_{j}", "gemma4")  # fmt: skip
+            items.append((expr, name in required))
+            rules.append(rule)
+        return f'"{{" {_comma_list(items)} "}}"', "".join(rules)
+    raise RequestError(
+        f"parameter {key!r}: radix-mlx writes gemma4 calls for strings, numbers, booleans, "
+        "null, enums, arrays and objects with properties, so this call cannot be forced"
+    )
+
+
+def _bounded_list(item: str, low: int, high: int | None) -> str:
+    """`item` repeated low..high times (high None: unbounded), comma-separated."""
+    if high is not None and high < low:
+        raise RequestError(f"maxItems {high} is below minItems {low}")
+    required = ' "," '.join([item] * low)
+    if high is None:
+        more = f'("," {item})*'
+        return f"{required} {more}" if low else f"({item} {more})?"
+    if high == 0:
+        return '""'
+    further = ""  # each optional item only after the one before it
+    for _ in range(high - max(low, 1)):
+        further = f'("," {item} {further})?'
+    return f"{required} {further}" if low else f"({item} {further})?"
+
+
 def _string_choices(schema: dict) -> list[str] | None:
     """The strings a const or enum of strings allows, else None."""
     choices = [schema["const"]] if "const" in schema else schema.get("enum")
@@ -245,6 +306,9 @@ _WRITERS: dict[str, Callable[[list[dict]], str]] = {
     ),
     "pythonic": _keyword_call(
         "<|tool_call_start|>[", "]<|tool_call_end|>", "NAME({})", _python_keyword, "pythonic"
+    ),
+    "gemma4": _keyword_call(
+        "<|tool_call>", "<tool_call|>", "call:NAME{{}}", _gemma4_keyword, "gemma4"
     ),
     "function_gemma": _keyword_call(
         "<start_function_call>", "<end_function_call>", "call:NAME{{}}", _gemma_keyword,

@@ -90,6 +90,12 @@ FORMATS = {
         "<|tool_call_start|>[{{ tool_call.name }}(" + _EACH + "{{ k }}={{ v | tojson }}"
         "{% if not loop.last %}, {% endif %}{% endfor %})]<|tool_call_end|>",
     ),
+    "gemma4": (
+        "<|tool_call>call:name{key:value}<tool_call|>",
+        "<|tool_call>call:{{ tool_call.name }}{{ '{' }}" + _EACH + "{{ k }}:"
+        '{% if v is string %}<|"|>{{ v }}<|"|>{% else %}{{ v | tojson }}{% endif %}'
+        "{% if not loop.last %},{% endif %}{% endfor %}{{ '}' }}<tool_call|>",
+    ),
     "function_gemma": (
         "<start_function_call>call:name{...}<end_function_call>",
         "<start_function_call>call:{{ tool_call.name }}{{ '{' }}" + _EACH + "{{ k }}:"

@@ -124,6 +124,6 @@ def test_every_forceable_format_has_a_template():
 
 def test_a_format_without_a_grammar_is_refused(tokenizer_dir):
     fmt = ChatFormat.of(tokenizer_in(tokenizer_dir, "json_tools"))
-    fmt = ChatFormat(fmt.think_start, fmt.think_end, tool_parser_type="gemma4")
-    with pytest.raises(RequestError, match="'gemma4': use tool_choice auto"):
+    fmt = ChatFormat(fmt.think_start, fmt.think_end, tool_parser_type="kimi_k3")
+    with pytest.raises(RequestError, match="'kimi_k3': use tool_choice auto"):
         tool_grammar(fmt, TOOLS, ["lookup"], thinking=False)
