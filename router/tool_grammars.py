@@ -81,6 +81,20 @@ def _kimi_k2(functions: list[dict]) -> str:
     return f"call: {_lit(head)} fn {_lit(tail)}\n" + _alternatives(functions, one)
 
 
+def _kimi_k3(functions: list[dict]) -> str:
+    """Kimi K3 (XTML): a tools section with one call whose arguments are one JSON block,
+    the form of the two its parser reads that carries any schema."""
+    head, tail = "<|open|>tools<|sep|>", "<|close|>tools<|sep|>"
+    close = "<|close|>json<|sep|><|close|>call<|sep|>"
+
+    def one(i, f):
+        name = f["name"].replace("&", "&amp;").replace('"', "&quot;")
+        opening = f'<|open|>call tool="{name}" index="1"<|sep|><|open|>json type="object"<|sep|>'
+        return f"{_lit(opening)} {json_rule(_parameters(f))} {_lit(close)}", ""
+
+    return f"call: {_lit(head)} fn {_lit(tail)}\n" + _alternatives(functions, one)
+
+
 # ------------------------------------------------------------------- one tag per parameter
 
 
@@ -276,6 +290,7 @@ _WRITERS: dict[str, Callable[[list[dict]], str]] = {
     "json_tools": _json_tools,
     "mistral": _mistral,
     "kimi_k2": _kimi_k2,
+    "kimi_k3": _kimi_k3,
     "qwen3_coder": _tagged(
         "<tool_call>\n<function=", "</function>\n</tool_call>",
         lambda n: f"{n}>\n", lambda k: (f"<parameter={k}>\n", "\n</parameter>\n"),

@@ -90,6 +90,12 @@ FORMATS = {
         "<|tool_call_start|>[{{ tool_call.name }}(" + _EACH + "{{ k }}={{ v | tojson }}"
         "{% if not loop.last %}, {% endif %}{% endfor %})]<|tool_call_end|>",
     ),
+    "kimi_k3": (  # chosen by its vocabulary (tests add the XTML tokens), not the template
+        "<|open|>tools<|sep|>...",
+        '<|open|>tools<|sep|><|open|>call tool="{{ tool_call.name }}" index="1"<|sep|>'
+        '<|open|>json type="object"<|sep|>' + _ARGS + "<|close|>json<|sep|><|close|>call<|sep|>"
+        "<|close|>tools<|sep|>",
+    ),
     "gemma4": (
         "<|tool_call>call:name{key:value}<tool_call|>",
         "<|tool_call>call:{{ tool_call.name }}{{ '{' }}" + _EACH + "{{ k }}:"
