@@ -40,7 +40,7 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
     replica's worker), with `-standby` until a standby is released."""
     set_title(_title(name) if release is None else f"{_title(name)}-standby")
     if release is not None:
-        _die_with_parent()
+        die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
 
@@ -53,7 +53,7 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """A standby holds nothing: on Linux the kernel kills it with its parent, also while
     it imports (its own check of the parent runs only once the imports are done)."""
     try:

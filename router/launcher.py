@@ -43,6 +43,8 @@ from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
 from router.supervisor import Children, Supervision, Supervisor
+from router.worker_group import launched_rank, launched_spec
+from worker_mlx.distributed_plan import check_model_dir
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
@@ -55,12 +57,20 @@ def serve(args: ServerArgs) -> int:
     try:
         args.validate()
         model_dir = resolve_model_path(args.model_path)
+        if args.group_size > 1:
+            check_model_dir(model_dir, args.tp_size, args.pp_size)
     except (ValueError, ModelNotFound) as exc:
         logger.error("%s", exc)
         return 1
     if args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=args.model_path)
     child_args = dataclasses.replace(args, model_path=model_dir)
+    rank = launched_rank() if args.dist_hostfile else None
+    if rank:  # a machine of a group under mlx.launch that runs its rank only
+        from worker_mlx.worker import run_worker
+
+        run_worker(child_args, None, spec=launched_spec(child_args, rank))
+        return 0
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)

@@ -92,6 +92,12 @@ class ModelRunner:
         # token, so those models decode without speculation.
         layout = pool.layout
         self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
+        # A pipeline stage (--pp-size; worker_mlx.distributed_shard) sends its hidden
+        # states to the next one: every forward pass must be evaluated whole and on its
+        # own, or a rank that evaluates only its pool skips a send the next rank waits
+        # for, and two passes in one graph may run their sends in another order than
+        # the next rank runs its receives.
+        self.pipeline_stage = False
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -131,8 +137,9 @@ class ModelRunner:
                 last_logits.append(self.head(hidden[rows, cols]))
                 states += [self._new_state(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
-            if n + 1 < len(steps):
-                mx.eval(self._arrays(), last_logits)  # the next pass reads this KV
+            if n + 1 < len(steps) or self.pipeline_stage:
+                # the next pass reads this KV
+                mx.eval(self._arrays(), last_logits, *([hidden] if self.pipeline_stage else []))
         if not states:
             mx.eval(self._arrays())
             return StepOutput([], [])
@@ -299,6 +306,8 @@ class ModelRunner:
                 state_slot=s.state_slot, prefix_state=s.state_slot,
             )  # fmt: skip
             parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
+            if self.pipeline_stage:
+                mx.eval(parts[-1], self._arrays())
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         return self.sample_and_record(logits, states, self._arrays())
 
