@@ -28,6 +28,7 @@ from common.child_process import STOP_SIGNAL
 from common.ipc import Endpoints
 from common.server_args import ServerArgs
 from router.standby import Standbys
+from worker_mlx.distributed_plan import GROUP_BROKEN
 
 logger = logging.getLogger("router")
 CHECK_INTERVAL = 0.1  # seconds between liveness checks: a death is noticed well within 1 s
@@ -117,11 +118,13 @@ class Children:
         return proc.pid if proc is not None else None
 
     def dead(self) -> tuple[str, str] | None:
-        """(name, what happened) of a child that exited."""
-        for name, proc in self.procs.items():
-            if not proc.is_alive():
-                return name, describe_exit(name, proc.exitcode)
-        return None
+        """(name, what happened) of a child that exited; of a worker group, the rank that
+        did not exit only because another one broke the group (GROUP_BROKEN)."""
+        gone = [(name, proc.exitcode) for name, proc in self.procs.items() if not proc.is_alive()]
+        if not gone:
+            return None
+        name, code = min(gone, key=lambda g: g[1] == GROUP_BROKEN)
+        return name, describe_exit(name, code)
 
     def kill(self, name: str) -> None:
         """SIGKILL: works on a stopped (SIGSTOP'd) or hung process too."""

@@ -15,6 +15,10 @@ import json
 import os
 from dataclasses import dataclass, field
 
+# The exit status of a rank that left because its group broke (a peer died mid-step):
+# the supervisor names the rank that died first, not this one.
+GROUP_BROKEN = 3
+
 
 class PlanError(ValueError):
     """A model that cannot be split as asked; the message says why, in one line."""

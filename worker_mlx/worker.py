@@ -25,7 +25,7 @@ from common.protocol import ProtocolError, decode, encode, peek_step
 from common.server_args import ServerArgs
 from common.trace import Trace
 from worker_mlx.backends.blas import preload_openblas
-from worker_mlx.distributed_plan import GroupSpec
+from worker_mlx.distributed_plan import GROUP_BROKEN, GroupSpec
 
 logger = logging.getLogger("worker")
 
@@ -56,18 +56,21 @@ def run_worker(
     ctx = zmq.Context()
     trace = Trace(args.trace_dir, name)
     if spec is not None and spec.rank > 0:
-        serve(runner, follower_inbox(ctx, spec), None, trace, cache.after_step)
+        serve(runner, follower_inbox(ctx, spec), None, trace, cache.after_step, group=True)
         return
     forward = Fanout(ctx, spec.fanout) if spec is not None else None
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox, trace, cache.after_step, forward)
+    serve(runner, inbox, outbox, trace, cache.after_step, forward, group=spec is not None)
 
 
-def serve(runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None) -> None:
+def serve(
+    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, group=False
+) -> None:
     """`outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
-    of every valid frame to the other ranks, before it runs the frame itself."""
+    of every valid frame to the other ranks, before it runs the frame itself; `group`:
+    one rank of a distributed worker (a failed step ends it, see `execute`)."""
     import zmq
 
     watch = ParentWatch()
@@ -93,7 +96,7 @@ def serve(runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=
             forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))
-        reply = execute(runner, msg)
+        reply = execute(runner, msg, group)
         trace("done", step)
         if reply is not None and outbox is not None:
             outbox.send(encode(reply))
@@ -101,13 +104,20 @@ def serve(runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=
         after_step()
 
 
-def execute(runner, msg) -> StepResult | WorkerError | None:
+def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None:
+    """The step's result, or the error it is answered with. In a group, only a descriptor
+    the checks refuse (ValueError, raised alike on every rank before any collective) is
+    answered: any other failure (a peer lost mid-collective) may have left the ranks'
+    states apart, so the rank exits and the supervisor restarts the whole group."""
     try:
         if isinstance(msg, ReleaseBatch):
             runner.release(msg.release)
             return None
         out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
     except Exception as exc:
+        if group and not isinstance(exc, ValueError):
+            logger.error("step %d failed in the group (%s); exiting", msg.step, exc)
+            raise SystemExit(GROUP_BROKEN) from exc
         kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
         logger.error("%s step %d failed: %s", kind, msg.step, exc)
         logger.debug("%s", traceback.format_exc())
