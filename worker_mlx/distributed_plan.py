@@ -75,7 +75,7 @@ def check_model(config: dict, tp: int, pp: int) -> None:
         heads = text.get("num_attention_heads")
         kv_heads = text.get("num_key_value_heads", heads)
         inter = text.get("intermediate_size")
-        for what, n in (("attention heads", heads), ("KV heads", kv_heads), ("MLP width", inter)):
+        for what, n in (("attention heads", heads), ("KV heads", kv_heads), ("MLP columns", inter)):
             if n is not None and n % tp:
                 raise PlanError(
                     f"--tp-size {tp}: the model's {n} {what} do not divide into {tp} equal shares"
