@@ -305,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
     a("--dp-size", type=int, default=1, help="radix-mlx replicas (`radix-mlx serve --dp-size`)")
     a("--replica", action="append", default=[], help="a remote replica to attach (repeatable)")
+    a("--tp-size", type=int, default=1, help="radix-mlx's worker as tensor-parallel ranks")
+    a("--pp-size", type=int, default=1, help="radix-mlx's worker as pipeline-parallel ranks")
     a("--workload", choices=WORKLOADS, default="random")
     a("--num-prompts", type=int, default=64, help="random workload")
     a("--random-input-len", type=int, default=256)
@@ -365,6 +367,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.server_args += ["--dp-size", str(args.dp_size)]
     for address in args.replica:
         args.server_args += ["--replica", address]
+    for name in ("tp_size", "pp_size"):
+        if getattr(args, name) > 1:
+            args.server_args += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return args
 
 

@@ -220,6 +220,12 @@ class Supervisor:
                     f"giving up: {self.name}{reason}, and {len(self.restarts)} restarts within "
                     f"{RESTART_WINDOW:.0f} s reached --max-restarts {self.max_restarts}"
                 )
+            if self.children.args.dist_hostfile:
+                return (
+                    f"giving up: {reason}; a worker group on several machines "
+                    "(--dist-hostfile) is not restarted from here: run the mlx.launch "
+                    "command again"
+                )
             self.restarts.append(now)
             logger.error("%s%s; restarting the worker and the scheduler", self.name, reason)
             self.children.kill_all()

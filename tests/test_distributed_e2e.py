@@ -13,6 +13,7 @@ where a pipeline stage could skip a send its neighbour waits for.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ import pytest
 
 from router.client import AsyncClient, Client
 from tests.conftest import mlx_greedy
-from tests.server import RADIX_MLX, checked_server
+from tests.server import RADIX_MLX, ServerProcess, checked_server
 from tests.test_faults import _body, _stream, wait_healthy
 from tests.test_metrics import PREFIX, scrape, wait_idle
 
@@ -166,3 +167,36 @@ def test_heads_that_do_not_divide_are_refused_with_one_line(tiny_model):
 def test_tp_and_pp_together_are_refused_with_one_line(tiny_model):
     lines = _serve_refused(tiny_model, "--tp-size", "2", "--pp-size", "2")
     assert any("--tp-size and --pp-size cannot both be above 1" in line for line in lines), lines
+
+
+def test_under_mlx_launch_each_machine_runs_its_rank(tiny_model, tmp_path):
+    """The multi-machine path on one machine: two `radix-mlx serve` commands with the env
+    mlx.launch gives each host (MLX_RANK, MLX_HOSTFILE); rank 0's serves HTTP, rank 1's
+    runs its rank only and fetches its descriptors from rank 0 over TCP."""
+    from common.ipc import free_ports
+    from worker_mlx.distributed_plan import loopback_hostfile
+
+    ring, hosts = tmp_path / "ring.json", tmp_path / "hosts.json"
+    ring.write_text(json.dumps(loopback_hostfile(free_ports(2))))
+    hosts.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+    fanout = free_ports(1)[0]
+    flags = ["--tp-size", "2", "--dist-hostfile", str(hosts), "--dist-port", str(fanout),
+             "--max-total-tokens", "2048"]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MLX_HOSTFILE=str(ring))
+    with open(tmp_path / "rank1.log", "w") as log:
+        other = subprocess.Popen(
+            [RADIX_MLX, "serve", "--model-path", tiny_model, *flags],
+            env=dict(env, MLX_RANK="1"), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    srv = ServerProcess(tiny_model, tmp_path / "rank0.log", extra=flags)
+    srv.env.update(MLX_RANK="0", MLX_HOSTFILE=str(ring))
+    try:
+        srv.start(timeout=180)
+        prompt = _prompts(1, 6)[0]
+        r = httpx.post(srv.url + "/v1/completions", json=_body(prompt, 8), timeout=120)
+        assert r.json()["choices"][0]["token_ids"] == mlx_greedy(tiny_model, prompt, 8)
+        assert "rank 1 of 2 (tensor parallel" in (tmp_path / "rank1.log").read_text()
+    finally:
+        srv.stop()
+        other.terminate()
+        other.wait(30)
