@@ -94,6 +94,7 @@ def test_a_launched_rank_reads_mlx_launch_hostfile(tmp_path):
     path.write_text(json.dumps(hosts))
     assert hostfile_hosts(hosts) == ["10.0.0.1", "10.0.0.2"]
     assert hostfile_hosts([{"ssh": "mac-c"}]) == ["mac-c"]
+    assert hostfile_hosts({"backend": "jaccl", "hosts": hosts}) == ["10.0.0.1", "10.0.0.2"]
     assert hostfile_hosts(loopback_hostfile([5, 6])) == ["127.0.0.1", "127.0.0.1"]
     args = ServerArgs(model_path="m", tp_size=2, dist_hostfile=str(path), dist_port=32000)
     spec = launched_spec(args, 1)

@@ -100,6 +100,8 @@ def loopback_hostfile(ports: list[int]) -> list[list[str]]:
 def hostfile_hosts(hostfile: list) -> list[str]:
     """Each rank's host, from the ring's list-of-addresses form or mlx.launch's
     `{"ssh": ..., "ips": [...]}` form (its first IP, else its ssh name)."""
+    if isinstance(hostfile, dict):  # mlx.launch's full form: {"backend", "envs", "hosts"}
+        hostfile = hostfile.get("hosts", [])
     hosts = []
     for entry in hostfile:
         if isinstance(entry, dict):
