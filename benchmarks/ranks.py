@@ -21,11 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import mlx.core as mx
 
 from common.ipc import free_ports
+from worker_mlx.distributed import Rank, replay_collectives
 from worker_mlx.distributed_plan import GroupSpec, loopback_hostfile
 
 STEPS = 50  # replays of a step's collectives per batch size
@@ -83,33 +83,17 @@ def load_rank(path: str, tp: int, pp: int):
     return model, group, spec
 
 
-def collective_seconds(group, spec: GroupSpec, batch: int, hidden: int, layers: int) -> float:
+def collective_seconds(rank, batch: int, hidden: int, layers: int) -> float:
     """Median time of one decode step's collectives replayed alone (see the module doc)."""
-    x = mx.ones((batch, 1, hidden))
-    times = []
-    for _ in range(STEPS + 2):
-        start = time.perf_counter()
-        y = x
-        if spec.tp > 1:
-            for _ in range(2 * layers):
-                y = mx.distributed.all_sum(y, group=group) * (1 / spec.tp)
-        else:
-            if spec.rank > 0:
-                y = mx.distributed.recv_like(y, spec.rank - 1, group=group)
-            if spec.rank < spec.pp - 1:
-                y = mx.distributed.send(y, spec.rank + 1, group=group)
-            y = mx.distributed.all_gather(y, group=group)
-        mx.eval(y)
-        times.append(time.perf_counter() - start)
+    times = [replay_collectives(rank, batch, hidden, layers) for _ in range(STEPS + 2)]
     return statistics.median(times[2:])
 
 
 def add_collectives(rows: list[dict], group, spec: GroupSpec, model) -> None:
     """Each row's collective time per decode step and its share of the step."""
-    args = model.args
-    layers = args.num_hidden_layers
+    args, rank = model.args, Rank(spec, group, [])
     for row in rows:
-        t = collective_seconds(group, spec, row["batch_size"], args.hidden_size, layers)
+        t = collective_seconds(rank, row["batch_size"], args.hidden_size, args.num_hidden_layers)
         row.update(tp_size=spec.tp, pp_size=spec.pp, collective_seconds=t,
                    collective_share=t / row["median_decode_latency"])  # fmt: skip
 

@@ -183,6 +183,9 @@ class SchedulerStats:
     capacity: int
     evicted_tokens: int
     retracted_requests: int
+    # a distributed worker's last timed decode-step collectives and how many were timed
+    collective_seconds: float = 0.0
+    collective_probes: int = 0
 
 
 @dataclass
@@ -276,6 +279,9 @@ class StepResult:
     # A decode step with drafts: per row, how many of its drafts were accepted; the row's
     # new tokens are those drafts followed by its next_token_ids entry.
     accepted: list[int] | None = None
+    # A distributed worker: seconds a recent decode step's collectives took, replayed
+    # alone (worker_mlx.distributed.CollectiveProbe); 0.0 when none was timed since.
+    collective_seconds: float = 0.0
 
 
 @dataclass

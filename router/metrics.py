@@ -33,6 +33,7 @@ PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+COLLECTIVE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5)
 
 # name (without prefix and without the counter's `_total`) -> Prometheus type
@@ -63,6 +64,7 @@ METRICS = {
     "replica_num_running_requests": "gauge",
     "replica_num_queued_requests": "gauge",
     "replica_token_usage": "gauge",
+    "collective_seconds": "histogram",
 }
 PROCESSES = ("router", "scheduler", "worker")
 
@@ -150,6 +152,12 @@ class Metrics:
             registry=r,
         )
         self._replica_metrics(r)
+        self.collective = Histogram(
+            p + "collective_seconds",
+            "A distributed worker's decode-step collectives, timed alone every 64 steps",
+            buckets=COLLECTIVE_BUCKETS,
+            registry=r,
+        )
         for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)  # export zeros, so rate() works from the start
         for process in PROCESSES:
@@ -228,6 +236,8 @@ class Metrics:
         seen = self._stats.get(replica)
         self.evicted_tokens.inc(max(0, s.evicted_tokens - (seen.evicted_tokens if seen else 0)))
         self.retracted.inc(max(0, s.retracted_requests - (seen.retracted_requests if seen else 0)))
+        if s.collective_probes > (seen.collective_probes if seen else 0):
+            self.collective.observe(s.collective_seconds)
         self._stats[replica] = s
         self.replica_running.labels(replica).set(s.num_running)
         self.replica_queued.labels(replica).set(s.num_queued)

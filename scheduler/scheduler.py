@@ -60,6 +60,7 @@ class Scheduler:
         self.step = 0
         self.in_flight: PrefillBatch | list[Req] | None = None
         self.retracted = 0
+        self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
         self.decode_steps = 0
         self.decode_tokens = 0  # tokens decode steps produced (more than rows with drafts)
@@ -250,6 +251,9 @@ class Scheduler:
 
     def on_result(self, result: StepResult | WorkerError) -> None:
         batch, self.in_flight = self.in_flight, None
+        if getattr(result, "collective_seconds", 0.0):
+            self.collective_seconds = result.collective_seconds
+            self.collective_probes += 1
         if isinstance(result, WorkerError):
             self._fail_step(batch, result.message)
         elif isinstance(batch, PrefillBatch):
@@ -408,6 +412,8 @@ class Scheduler:
             capacity=self.kv.capacity,
             evicted_tokens=self.kv.evicted_tokens,
             retracted_requests=self.retracted,
+            collective_seconds=self.collective_seconds,
+            collective_probes=self.collective_probes,
         )
 
     def holders(self) -> list[Req]:

@@ -113,6 +113,16 @@ def test_http_completion_is_token_exact(group):
     assert r.json()["choices"][0]["token_ids"] == mlx_greedy(model, prompt, 8)
 
 
+def test_metrics_time_the_decode_steps_collectives(group):
+    srv, _, _ = group
+    with Client(srv.zmq_address, timeout=120) as client:
+        client.generate(input_ids=[5, 6, 7], max_new_tokens=4, **GREEDY)
+    wait_idle(srv.url, timeout=30)
+    metrics = scrape(srv.url)
+    assert metrics[PREFIX + "collective_seconds_count"] >= 1
+    assert 0 < metrics[PREFIX + "collective_seconds_sum"] < 60
+
+
 def test_killing_a_rank_mid_decode_restarts_the_whole_group(group):
     srv, model, _ = group
     old = {name: srv.child(name) for name in ("worker", "worker-1")}

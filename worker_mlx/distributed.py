@@ -19,10 +19,12 @@ import json
 import logging
 import os
 import socket
+import time
 
 import mlx.core as mx
 import zmq
 
+from common.messages import DecodeBatch
 from worker_mlx.distributed_plan import GroupSpec, hostfile_hosts
 
 logger = logging.getLogger("worker")
@@ -75,6 +77,54 @@ class Rank:
             "(the smallest rank's)", spec.rank, spec.size, spec.mode, spec.backend, host,
             self.share, num_slots,
         )  # fmt: skip
+
+
+PROBE_EVERY = 64  # decode steps between two timings of a step's collectives
+
+
+def replay_collectives(rank: Rank, batch: int, hidden: int, layers: int) -> float:
+    """Seconds one decode step's collectives take replayed alone, chained: a step's
+    collectives run inside one lazy graph and cannot be timed there. TP: two all_sums of
+    (batch, 1, hidden) per layer; PP: the stage-to-stage send / receive and the gather of
+    the last stage's hidden states. Every rank must call it at the same point."""
+    spec, group = rank.spec, rank.group
+    y = mx.ones((batch, 1, hidden))
+    mx.eval(y)
+    start = time.perf_counter()
+    if spec.tp > 1:
+        for _ in range(2 * layers):
+            y = mx.distributed.all_sum(y, group=group) * (1 / spec.tp)
+    else:
+        if spec.rank > 0:
+            y = mx.distributed.recv_like(y, spec.rank - 1, group=group)
+        if spec.rank < spec.pp - 1:
+            y = mx.distributed.send(y, spec.rank + 1, group=group)
+        y = mx.distributed.all_gather(y, group=group)
+    mx.eval(y)
+    return time.perf_counter() - start
+
+
+class CollectiveProbe:
+    """Times the collectives of every PROBE_EVERY-th decode step (the first included)
+    after it ran; every rank counts the same frames, so all replay at the same point.
+    Rank 0 reports the time with its next answer (`StepResult.collective_seconds`)."""
+
+    def __init__(self, rank: Rank, model):
+        self.rank, self.decodes, self.pending = rank, 0, 0.0
+        args = getattr(model, "args", None)
+        self.hidden = getattr(args, "hidden_size", 0)
+        self.layers = getattr(args, "num_hidden_layers", 0)
+
+    def after(self, msg) -> None:
+        if not isinstance(msg, DecodeBatch) or not self.hidden:
+            return
+        self.decodes += 1
+        if self.decodes % PROBE_EVERY == 1:
+            self.pending = replay_collectives(self.rank, len(msg.rids), self.hidden, self.layers)
+
+    def take(self) -> float:
+        out, self.pending = self.pending, 0.0
+        return out
 
 
 class Fanout:

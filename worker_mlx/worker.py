@@ -46,7 +46,7 @@ def run_worker(
     import zmq
 
     from worker_mlx.buffer_cache import BufferCacheBound
-    from worker_mlx.distributed import Fanout, follower_inbox, join_group
+    from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
     from worker_mlx.loader import load_runner
 
     wait_for_release("worker", release)
@@ -55,22 +55,24 @@ def run_worker(
     cache = BufferCacheBound()
     ctx = zmq.Context()
     trace = Trace(args.trace_dir, name)
+    probe = CollectiveProbe(rank, runner.model) if rank is not None else None
     if spec is not None and spec.rank > 0:
-        serve(runner, follower_inbox(ctx, spec), None, trace, cache.after_step, group=True)
+        serve(runner, follower_inbox(ctx, spec), None, trace, cache.after_step, probe=probe)
         return
     forward = Fanout(ctx, spec.fanout) if spec is not None else None
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox, trace, cache.after_step, forward, group=spec is not None)
+    serve(runner, inbox, outbox, trace, cache.after_step, forward, probe)
 
 
 def serve(
-    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, group=False
+    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None
 ) -> None:
     """`outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
-    of every valid frame to the other ranks, before it runs the frame itself; `group`:
-    one rank of a distributed worker (a failed step ends it, see `execute`)."""
+    of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
+    distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
+    `execute`)."""
     import zmq
 
     watch = ParentWatch()
@@ -96,10 +98,14 @@ def serve(
             forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))
-        reply = execute(runner, msg, group)
+        reply = execute(runner, msg, probe is not None)
         trace("done", step)
         if reply is not None and outbox is not None:
+            if probe is not None and isinstance(reply, StepResult):
+                reply.collective_seconds = probe.take()
             outbox.send(encode(reply))
+        if probe is not None:
+            probe.after(msg)  # at the same point on every rank, before the lookahead
         runner.run_ahead()  # the next decode step computes while the scheduler works
         after_step()
 
