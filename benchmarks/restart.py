@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 
-from benchmarks.soak import RADIX_MLX, Kill, _kill_worker, model_load_seconds
+from benchmarks.soak import Kill, _kill_worker, model_load_seconds, save_record, start_server
 from benchmarks.sse import aiter_sse_data
-from common.ipc import free_ports
-from common.server_process import ServerProcess
 
 
 async def _stream(http: httpx.AsyncClient, url: str, prompt: list[int], first, errors, kill):
@@ -93,17 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = args.model_path
-    if model is None:
-        from common.tiny_model import ensure_tiny_model
-
-        model = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset="tiny"))
-    port, zmq_port = free_ports(2)
-    cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(port),
-           "--zmq-port", str(zmq_port), *args.server_args.split()]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="restart-")) / "server.log"
-    server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log)
-    server.start(timeout=600)
+    server, model, log, _ = start_server(args.model_path, args.server_args, "restart")
     try:
         kills = asyncio.run(run(server.url, server.proc.pid, args))
     finally:
@@ -111,13 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     load = model_load_seconds(model)
     text = report(kills, load)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"restart-{time.strftime('%Y%m%d-%H%M%S')}.json"
     record = {"args": vars(args), "report": text, "mlx_lm_load_s": load,
               "kills": [vars(k) for k in kills], "server_log": str(log)}  # fmt: skip
-    path.write_text(json.dumps(record, indent=1))
-    print(f"saved {path}")
+    save_record(args.out, "restart", record)
     return 0
 
 

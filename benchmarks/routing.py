@@ -127,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--server-args", type=str.split, default=[], help="extra `radix-mlx serve` flags")
     a("--output-dir", default="bench_results")
+    p.set_defaults(loop=False)  # serving.resolve_model builds the preset's plain variant
     return p.parse_args(argv)
 
 

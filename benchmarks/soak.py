@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sse import aiter_sse_data
 from common.ipc import free_ports
@@ -233,22 +234,33 @@ async def soak(url: str, router_pid: int, args: argparse.Namespace) -> dict:
 
 
 async def _idle_state(url: str, timeout: float = 30) -> dict[str, float]:
-    """running, queued and held slots once nothing is sent any more."""
-    wanted = ("num_running_requests", "num_queued_requests", "token_usage",
-              "kv_pool_capacity_tokens")  # fmt: skip
+    """running, queued and held slots once nothing is sent any more (summed over the
+    replicas, each series being labeled by one)."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as http:
         while True:
             text = (await http.get(url + "/metrics")).text
-            values = {}
-            for line in text.splitlines():
-                name, _, value = line.partition(" ")
-                if name.removeprefix("radix_mlx_") in wanted:
-                    values[name.removeprefix("radix_mlx_")] = float(value)
+            values = _server_totals(text)
             if values.get("num_running_requests") == 0 or time.monotonic() > deadline:
-                values["used_slots"] = values["token_usage"] * values["kv_pool_capacity_tokens"]
                 return values
             await asyncio.sleep(0.5)
+
+
+def _server_totals(text: str) -> dict[str, float]:
+    per_replica: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        name = fam.name.removeprefix("radix_mlx_")
+        if name in ("num_running_requests", "num_queued_requests", "token_usage",
+                    "kv_pool_capacity_tokens"):  # fmt: skip
+            for sample in fam.samples:
+                per_replica.setdefault(sample.labels.get("replica", ""), {})[name] = sample.value
+    totals = {"num_running_requests": 0.0, "num_queued_requests": 0.0,
+              "kv_pool_capacity_tokens": 0.0, "used_slots": 0.0}  # fmt: skip
+    for v in per_replica.values():
+        for name in ("num_running_requests", "num_queued_requests", "kv_pool_capacity_tokens"):
+            totals[name] += v.get(name, 0.0)
+        totals["used_slots"] += v.get("token_usage", 0.0) * v.get("kv_pool_capacity_tokens", 0.0)
+    return totals
 
 
 def _pct(xs: list[float], q: float) -> str:
@@ -335,21 +347,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    model = args.model_path
+def start_server(model: str | None, server_args: str, name: str):
+    """A `radix-mlx serve` of `model` (the tiny default when None) on free ports, started:
+    (server, model, its log, seconds to start)."""
     if model is None:
         from common.tiny_model import ensure_tiny_model
 
         model = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset="tiny"))
     port, zmq_port = free_ports(2)
     cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(port),
-           "--zmq-port", str(zmq_port), *args.server_args.split()]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
+           "--zmq-port", str(zmq_port), *server_args.split()]  # fmt: skip
+    log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
     server = ServerProcess(cmd, f"http://127.0.0.1:{port}", log)
     started = time.monotonic()
     server.start(timeout=600)
-    start_seconds = time.monotonic() - started
+    return server, model, log, time.monotonic() - started
+
+
+def save_record(out: str, name: str, record: dict) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"saved {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server, model, log, start_seconds = start_server(args.model_path, args.server_args, "soak")
     try:
         result = asyncio.run(soak(server.url, server.proc.pid, args))
     finally:
@@ -377,11 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "idle": idle,
         "server_log": str(log),
     }  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"saved {path}")
+    save_record(args.out, "soak", record)
     return 0
 
 

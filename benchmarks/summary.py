@@ -174,6 +174,15 @@ STANDARD_TARGETS = [
         ">=",
         1.2,
     ),
+    Target(
+        "agent c8 TTFT p50 ÷ mlx-lm",
+        "agent",
+        8,
+        ("radix-mlx", "median_ttft_ms"),
+        (REFERENCE, "median_ttft_ms"),
+        "<=",
+        0.3,
+    ),
 ]
 
 

@@ -300,8 +300,12 @@ def spec_from_args(args) -> WorkloadSpec:
     return WorkloadSpec(name, params)
 
 
+# issue 20's agent load: 8 sessions x 6 turns over a shared system prompt with tools
+AGENT = dict(sessions=8, turns=6, system_len=1024, task_len=64, result_len=96, output_len=32)
+
+
 def standard_suite() -> list[tuple[WorkloadSpec, list[int], tuple[str, ...]]]:
-    """The issue's four target loads (plus a random-load sweep for the throughput plot):
+    """The issues' target loads (plus a random-load sweep for the throughput plot):
     (workload, concurrencies, backends)."""
     both = ("radix-mlx", "mlx-lm")
     rnd = dict(input_len=256, output_len=64, range_ratio=1.0)
@@ -320,6 +324,7 @@ def standard_suite() -> list[tuple[WorkloadSpec, list[int], tuple[str, ...]]]:
             both,
         ),
         (WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=9)), [1], both),
+        (WorkloadSpec("agent", AGENT), [8], both),
     ]
 
 

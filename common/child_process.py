@@ -53,13 +53,30 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
+def parent_pid() -> int:
+    """The pid of the process that started this one. For a multiprocessing child that
+    is the pid its parent passed at spawn, not `os.getppid()` now: a parent that died
+    while the child imported has already left it to init, and a check against the
+    reaper's pid would never see the death."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None else os.getppid()
+
+
+def parent_alive(pid: int) -> bool:
+    return os.getppid() == pid
+
+
 def die_with_parent() -> None:
-    """A standby holds nothing: on Linux the kernel kills it with its parent, also while
-    it imports (its own check of the parent runs only once the imports are done)."""
+    """On Linux the kernel kills this process with its parent: a standby (it holds
+    nothing) also while it imports, before its own check of the parent runs; a worker
+    rank also while it waits in a collective. A parent that died before the prctl sends
+    no signal, hence the check after it."""
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux
         pass
+    if not parent_alive(parent_pid()):
+        os._exit(0)
 
 
 def _title(name: str) -> str:
@@ -71,8 +88,8 @@ def wait_for_release(name: str, release=None) -> None:
     """A standby returns here once released (the supervisor needs it), titled as a child."""
     if release is None:
         return
-    parent = os.getppid()
+    parent = parent_pid()
     while not release.wait(PARENT_CHECK):
-        if os.getppid() != parent:
+        if not parent_alive(parent):
             sys.exit(0)
     set_title(_title(name))

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from common.child_process import parent_alive, parent_pid
+
 
 @dataclass(frozen=True)
 class Endpoints:
@@ -68,7 +70,7 @@ class ParentWatch:
     """Lets a child notice that its parent died, so it exits instead of lingering."""
 
     def __init__(self):
-        self.parent = os.getppid()
+        self.parent = parent_pid()  # the parent at spawn: it may have died since
 
     def parent_alive(self) -> bool:
-        return os.getppid() == self.parent
+        return parent_alive(self.parent)

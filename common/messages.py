@@ -189,6 +189,17 @@ class SchedulerStats:
 
 
 @dataclass
+class CacheEvicted:
+    """What the scheduler's prefix cache dropped since its last CacheEvicted, so the
+    router's guess of it (router/approx_tree.py) drops it too. Each path is the tokens from
+    the root down to the first token of an evicted subtree: the cache no longer holds any
+    sequence that starts with the whole path, and still holds `path[:-1]`. Paths a queued
+    or running request will cache again are left out."""
+
+    paths: list[list[int]]
+
+
+@dataclass
 class WorkerHung:
     """The worker has not answered step `step` for `seconds` (over --watchdog-timeout):
     the router kills and restarts it."""
@@ -341,7 +352,7 @@ class ReplicaStatus:
 
     identity: ModelIdentity
     instance: str
-    state: str  # "starting", "ready", "restarting" or "stopped"
+    state: str  # "starting", "ready", "restarting", "draining" (no new requests) or "stopped"
     reason: str = ""
     ready: SchedulerReady | None = None
 
@@ -417,7 +428,9 @@ def _registry(*classes: type) -> dict[str, type]:
 
 SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq)
 SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError)
-ROUTER_INBOX = _registry(TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, WorkerHung)
+ROUTER_INBOX = _registry(
+    TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted, WorkerHung
+)
 WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch)
 FRONTDOOR_INBOX = _registry(ClientGenerate, ClientAbort)
 CLIENT_INBOX = _registry(ClientResult, ClientError)

@@ -60,6 +60,34 @@ def _gemma3(config: Config) -> Config:
     }
 
 
+def _gemma4(config: Config) -> Config:
+    """Gemma 4 text: L L L G layers, global layers twice as wide per head, the last two
+    layers sharing the K/V of the last earlier layer of their kind, per-layer inputs."""
+    head_dim = config["head_dim"]
+    return {
+        **config,
+        "sliding_window": SLIDING_WINDOW,
+        "sliding_window_pattern": 4,
+        "global_head_dim": 2 * head_dim,
+        "num_kv_shared_layers": 3,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": config["vocab_size"],
+        "final_logit_softcapping": 30.0,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {
+                "partial_rotary_factor": 1.0,
+                "rope_theta": 10000.0,
+                "rope_type": "default",
+            },
+        },  # fmt: skip
+    }
+
+
 def _gpt_oss(config: Config) -> Config:
     """gpt-oss: alternating sliding and full layers, attention sinks, a top-2-of-4 MoE."""
     layers = config["num_hidden_layers"]
@@ -194,6 +222,57 @@ def _nemotron_h(config: Config) -> Config:
     }
 
 
+def _granite4(config: Config) -> Config:
+    """Granite 4.0 H (mlx-lm's granitemoehybrid): Mamba-2 layers and an attention layer
+    without positional encoding, each with a top-2-of-4 MoE and a shared expert, and
+    Granite's multipliers on embeddings, attention, residuals and logits."""
+    layers = config["num_hidden_layers"]
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    return {
+        **config,
+        "layer_types": ["mamba"] * (layers - 1) + ["attention"],
+        "position_embedding_type": "nope",
+        "attention_bias": False,
+        "embedding_multiplier": 2.0,
+        "attention_multiplier": 1.0 / head_dim,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 2.0,
+        "num_local_experts": N_EXPERTS,
+        "num_experts_per_tok": EXPERTS_PER_TOKEN,
+        "shared_intermediate_size": config["intermediate_size"] // 2,
+        "intermediate_size": config["intermediate_size"] // 2,
+        "mamba_n_heads": 2 * hidden // head_dim,  # Mamba's expand = 2
+        "mamba_d_head": head_dim,
+        "mamba_n_groups": 2,
+        "mamba_d_state": SSM_STATE_SIZE,
+        "mamba_d_conv": CONV_KERNEL,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "time_step_limit": [0.0, float("inf")],
+    }
+
+
+def _falcon_h1(config: Config) -> Config:
+    """Falcon-H1: every layer runs a Mamba-2 mixer and attention side by side (mlx-lm
+    caches each layer as a CacheList of the two), with Falcon's muP multipliers."""
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    heads = 2 * hidden // head_dim  # Mamba's expand = 2
+    return {
+        **config,
+        "mamba_d_ssm": heads * head_dim,
+        "mamba_n_heads": heads,
+        "mamba_d_head": head_dim,
+        "mamba_n_groups": 1,
+        "mamba_d_state": SSM_STATE_SIZE,
+        "mamba_d_conv": CONV_KERNEL,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 16,
+        "mamba_rms_norm": True,
+        "embedding_multiplier": 2.0,
+        "lm_head_multiplier": 0.5,
+    }
+
+
 def _local_swa(config: Config) -> Config:
     """Every layer windowed, none global: mlx-lm's Step-3.5 class, dense.
 
@@ -221,11 +300,14 @@ FAMILIES: dict[str, Family] = {
     "mistral_swa": Family("MistralForCausalLM", "mistral", _sliding_window, min_layers=3),
     "local_swa": Family("Step3p5ForCausalLM", "step3p5", _local_swa, min_layers=2),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", _gemma3, min_layers=4, norm_offset=1.0),
+    "gemma4": Family("Gemma4ForCausalLM", "gemma4_text", _gemma4, min_layers=8),
     "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss, min_layers=2),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3, min_layers=2),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _moe),
     "qwen3_5": Family("Qwen3_5ForConditionalGeneration", "qwen3_5", _qwen3_5, min_layers=4),
     "qwen3_next": Family("Qwen3NextForCausalLM", "qwen3_next", _qwen3_next, min_layers=2),
+    "falcon_h1": Family("FalconH1ForCausalLM", "falcon_h1", _falcon_h1),
+    "granite4": Family("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granite4),
     "nemotron_h": Family("NemotronHForCausalLM", "nemotron_h", _nemotron_h, min_layers=2),
 }
 

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from router.manager import RequestError
+from router.thinking_signature import ThinkingSigner
 
 # HTTP status -> Anthropic's error type
 _ERROR_TYPES = {
@@ -41,10 +42,11 @@ class CountTokensRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 
-    def openai_messages(self) -> list[dict]:
+    def openai_messages(self, signer: ThinkingSigner | None = None) -> list[dict]:
+        """The messages as OpenAI's; `signer` checks the history's thinking blocks."""
         out = [{"role": "system", "content": system_text(self.system)}] if self.system else []
         for i, message in enumerate(self.messages):
-            out += _message(i, message)
+            out += _message(i, message, signer)
         return out
 
     def openai_tools(self) -> list[dict] | None:
@@ -81,6 +83,19 @@ class CountTokensRequest(BaseModel):
             raise RequestError("thinking.type must be enabled, disabled or adaptive")
         return {"enable_thinking": kind != "disabled"}
 
+    def think_budget(self) -> int | None:
+        """thinking.budget_tokens of enabled thinking: the thought's bound in tokens.
+        (Anthropic's minimum of 1,024 is not kept: small local models think briefly.)"""
+        thinking = self.thinking or {}
+        if thinking.get("type") != "enabled" or thinking.get("budget_tokens") is None:
+            return None
+        budget = thinking["budget_tokens"]
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise RequestError("thinking.budget_tokens must be a positive integer")
+        if budget >= getattr(self, "max_tokens", budget + 1):
+            raise RequestError("`max_tokens` must be greater than `thinking.budget_tokens`")
+        return budget
+
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: StrictInt
@@ -114,7 +129,18 @@ def system_text(system: str | list) -> str:
     return "".join(_text_block(b, f"system.{i}") for i, b in enumerate(system))
 
 
-def _message(i: int, message: dict) -> list[dict]:
+def _check_thought(block: dict, where: str, signer: ThinkingSigner | None) -> None:
+    """A thinking block of the history must carry this server's signature of its text
+    (router.thinking_signature); this server returns no redacted_thinking blocks."""
+    if signer is None:
+        return
+    if block["type"] == "redacted_thinking":
+        raise RequestError(f"{where}: invalid redacted_thinking block (not from this server)")
+    if not signer.valid(block.get("thinking"), block.get("signature")):
+        raise RequestError(f"{where}: Invalid `signature` in `thinking` block")
+
+
+def _message(i: int, message: dict, signer: ThinkingSigner | None = None) -> list[dict]:
     """One Anthropic message as OpenAI messages: a user turn's tool results become `tool`
     messages (before its text), an assistant's tool_use blocks its `tool_calls`."""
     role, content = message.get("role"), message.get("content")
@@ -131,7 +157,7 @@ def _message(i: int, message: dict) -> list[dict]:
         if kind == "text":
             text.append(_text_block(block, where))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            continue  # templates drop earlier turns' thinking
+            _check_thought(block, where, signer)  # then dropped, as templates drop it
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, where))
         elif kind == "tool_result" and role == "user":

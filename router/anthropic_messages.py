@@ -22,6 +22,7 @@ from router.chat_response import ChatPrompt, plan_chat
 from router.constraints import output_grammar
 from router.manager import RequestError
 from router.responses import _aclose_shielded, first_chunk, whole
+from router.thinking_signature import ThinkingSigner
 
 _STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
 
@@ -31,12 +32,14 @@ class AnthropicRoutes:
 
     def __init__(self, routes):
         self.routes = routes
+        self.signer = ThinkingSigner()
 
     def _plan(self, req: CountTokensRequest, grammar=None):
         return plan_chat(
-            self.routes.tok, req.openai_messages(), req.openai_tools(),
+            self.routes.tok, req.openai_messages(self.signer), req.openai_tools(),
             req.openai_tool_choice(), req.template_kwargs(), grammar,
             getattr(req, "max_tokens", None),  # count_tokens has none
+            req.think_budget(),
         )  # fmt: skip
 
     async def count_tokens(self, req: CountTokensRequest):
@@ -62,10 +65,10 @@ class AnthropicRoutes:
         chunks = self.routes._start(req, ids, sampling, rid)
         message = _Message(rid, self.routes.model_name, prompt, req.stop_strings(), self.routes)
         if not req.stream:
-            return message.body(await whole(request, chunks))
+            return message.body(await whole(request, chunks), self.signer)
         first = await first_chunk(request, chunks)
         return StreamingResponse(
-            _events(message, first, chunks), media_type="text/event-stream",
+            _events(message, first, chunks, _Blocks(self.signer)), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )  # fmt: skip
 
@@ -106,12 +109,15 @@ class _Message:
             "usage": self.usage(out, output_tokens),
         }  # fmt: skip
 
-    def body(self, out: Output) -> dict:
+    def body(self, out: Output, signer: ThinkingSigner) -> dict:
         self.token_ids = out.token_ids
         parts = self.splitter.feed(out.text, final=True)
         blocks = []
         if parts.reasoning:
-            blocks.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
+            thought = parts.reasoning
+            blocks.append(
+                {"type": "thinking", "thinking": thought, "signature": signer.sign(thought)}
+            )
         if parts.content.strip() or not (parts.reasoning or parts.tool_calls):
             blocks.append({"type": "text", "text": parts.content})
         blocks += [_tool_use(call) for call in parts.tool_calls]
@@ -134,15 +140,19 @@ def _input(call: ToolCall) -> dict:
 
 class _Blocks:
     """The stream's content blocks: which is open, and the events that open, fill and
-    close them. Whitespace between blocks (after thinking, before a tool call) opens none."""
+    close them. Whitespace between blocks (after thinking, before a tool call) opens none.
+    A tool call's arguments stream as `input_json_delta`s as they are written (where the
+    format allows: router.tool_stream); a thinking block ends with its `signature_delta`."""
 
-    def __init__(self):
+    def __init__(self, signer: ThinkingSigner):
         self.index, self.kind, self.space = -1, None, ""
+        self.signer, self.thought = signer, ""
 
     def events(self, parts: Parts) -> list[tuple[str, dict]]:
         out = []
         if parts.reasoning:
             out += self.open("thinking", {"thinking": "", "signature": ""})
+            self.thought += parts.reasoning
             out.append(self._delta({"type": "thinking_delta", "thinking": parts.reasoning}))
         text = parts.content
         if text and self.kind != "text" and not text.strip():
@@ -152,10 +162,13 @@ class _Blocks:
             out += self.open("text", {"text": ""})
             text, self.space = self.space + text, ""
             out.append(self._delta({"type": "text_delta", "text": text}))
-        for call in parts.tool_calls:
-            out += self.open("tool_use", {"id": call.id, "name": call.name, "input": {}}, True)
-            arguments = json.dumps(_input(call), ensure_ascii=False)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        for piece in parts.tool_deltas:
+            if piece.name is not None:
+                block = {"id": piece.id, "name": piece.name, "input": {}}
+                out += self.open("tool_use", block, True)
+            if piece.arguments:
+                delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                out.append(self._delta(delta))
         return out
 
     def open(self, kind: str, block: dict, always: bool = False) -> list:
@@ -176,14 +189,19 @@ class _Blocks:
     def close(self) -> list:
         if self.kind is None:
             return []
+        out = []
+        if self.kind == "thinking":
+            signature = self.signer.sign(self.thought)
+            out.append(self._delta({"type": "signature_delta", "signature": signature}))
+            self.thought = ""
         self.kind = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return out + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
-async def _events(message: _Message, first: Output, chunks: AsyncIterator[Output]):
+async def _events(message: _Message, first: Output, chunks: AsyncIterator[Output], blocks):
     """Anthropic's event sequence: message_start, ping, the blocks, message_delta (stop
     reason, usage), message_stop; a failure midway is an `error` event."""
-    blocks, count, last = _Blocks(), 0, first
+    count, last = 0, first
     start = {"type": "message_start", "message": message.head(first, 0, [])}
     yield _sse("message_start", start)
     yield _sse("ping", {"type": "ping"})

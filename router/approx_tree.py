@@ -7,7 +7,8 @@ replica also caches generated tokens and evicts on its own schedule. Its size is
 past it, the least recently inserted leaves are cut back first, in whole or in part, down
 to PRUNE_TO of the bound so that pruning runs once per many inserts, not on every one.
 Only `insert` counts as a use; `match`, called for every replica on every request, does
-not change anything.
+not change anything. What the replica reports as evicted (`CacheEvicted`) is cut out with
+`remove`, so that part of the guess is exact.
 """
 
 from __future__ import annotations
@@ -93,6 +94,30 @@ class ApproxTree:
             if parent is not self.root and not parent.children:
                 heapq.heappush(leaves, (parent.used, id(parent), parent))
 
+    def remove(self, path: tuple[int, ...] | list[int]) -> None:
+        """The replica evicted every sequence that starts with `path` (it still holds
+        `path[:-1]`): cut the tree there, whether that falls on a node or inside an edge."""
+        if not path:
+            return
+        node, i, end = self.root, 0, len(path) - 1
+        while True:
+            child = node.children.get(path[i])
+            if child is None:
+                return  # the tree never had it
+            cut = end - i  # where in this edge the path's last token falls
+            k = common_prefix_len(child.edge, path[i : i + len(child.edge)])
+            if cut == 0:  # the whole child goes
+                del node.children[path[i]]
+                self.size -= _subtree_size(child)
+            elif cut < len(child.edge):
+                if k > cut:  # keep the edge's head, drop the rest and all below it
+                    self.size -= _subtree_size(child) - cut
+                    child.edge, child.children = child.edge[:cut], {}
+            elif k == len(child.edge):
+                node, i = child, i + k
+                continue
+            return
+
     def clear(self) -> None:
         """The replica restarted: its cache is empty."""
         self.root.children.clear()
@@ -104,3 +129,12 @@ class ApproxTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def _subtree_size(node: _Node) -> int:
+    size, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        size += len(n.edge)
+        stack.extend(n.children.values())
+    return size

@@ -3,7 +3,9 @@ model's reasoning (between its thinking markers) and its tool calls (between its
 markers, parsed with mlx-lm's parser for the model's format).
 
 Text arrives in streamed pieces; a piece that might be the start of a marker is held back
-until the next piece (or the end) tells, so no marker ever leaks into the content.
+until the next piece (or the end) tells, so no marker ever leaks into the content. A tool
+call's arguments stream as they are written where the format allows (router.tool_stream);
+a call is otherwise parsed whole at its end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from router.chat_format import ChatFormat
+from router.tool_stream import ArgumentStream, streams_arguments
 
 logger = logging.getLogger("router")
 
@@ -26,19 +29,39 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
-    def openai(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function"}
-        out["function"] = {"name": self.name, "arguments": self.arguments}
-        return out if index is None else {"index": index, **out}
+    def openai(self) -> dict:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass
+class ToolDelta:
+    """A streamed piece of the `index`th tool call: its id and name on its first piece."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+    def openai(self) -> dict:
+        out = {"index": self.index}
+        if self.id is not None:
+            out |= {"id": self.id, "type": "function"}
+        function = {"arguments": self.arguments}
+        return out | {
+            "function": function if self.name is None else {"name": self.name, **function}
+        }
 
 
 @dataclass
 class Parts:
-    """What one piece of text turned out to be, in order of kind."""
+    """What one piece of text turned out to be, in order of kind: the tool calls complete
+    (`tool_calls`, at their end) and as streamed pieces (`tool_deltas`)."""
 
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_deltas: list[ToolDelta] = field(default_factory=list)
 
 
 class OutputSplitter:
@@ -50,6 +73,8 @@ class OutputSplitter:
         self.buffer = ""  # text not yet classified: it may begin a marker
         self.tool_text = ""
         self.calls = 0  # tool calls so far, for finish_reason
+        self.announced = 0  # tool calls whose first delta went out
+        self.stream: ArgumentStream | None = None  # the open call's, if its format streams
 
     def _markers(self) -> list[tuple[str, str]]:
         """(marker, state it switches to) that can end the current state."""
@@ -79,6 +104,8 @@ class OutputSplitter:
             if self.state == TOOL:
                 self._end_call(parts)
             self.state = to
+            if to == TOOL and streams_arguments(self.fmt.tool_parser_type):
+                self.stream = ArgumentStream(self.fmt.tool_parser_type)
         keep = 0 if final else _partial_marker(self.buffer, [m for m, _ in self._markers()])
         self._emit(parts, self.buffer[: len(self.buffer) - keep])
         self.buffer = self.buffer[len(self.buffer) - keep :]
@@ -93,22 +120,52 @@ class OutputSplitter:
             parts.reasoning += text
         else:
             self.tool_text += text
+            self._stream_arguments(parts)
+
+    def _stream_arguments(self, parts: Parts) -> None:
+        stream = self.stream
+        if stream is None:
+            return
+        announced = stream.name is not None
+        piece = stream.advance(self.tool_text)
+        if stream.name is None:
+            return
+        if not announced:
+            stream.id = stream.id or _new_id()
+            parts.tool_deltas.append(ToolDelta(self.announced, stream.id, stream.name, piece))
+            self.announced += 1
+        elif piece:
+            parts.tool_deltas.append(ToolDelta(self.announced - 1, None, None, piece))
 
     def _end_call(self, parts: Parts) -> None:
         text, self.tool_text = self.tool_text, ""
+        stream, self.stream = self.stream, None
         try:
             parsed = self.fmt.tool_parser(text, self.tools)
         except Exception as exc:  # noqa: BLE001 - parsers raise what they raise
             logger.warning("unparsable tool call (%s: %s): %r", type(exc).__name__, exc, text)
             parts.content += self.fmt.tool_call_start + text  # the caller sees what came
             return
-        for call in parsed if isinstance(parsed, list) else [parsed]:
+        for i, call in enumerate(parsed if isinstance(parsed, list) else [parsed]):
+            if i == 0 and stream is not None and stream.name is not None:
+                # streamed: the arguments as they were sent, which the parser read as JSON
+                parts.tool_calls.append(ToolCall(stream.id, stream.name, stream.arguments))
+                self.calls += 1
+                continue
             arguments = call.get("arguments", {})
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments, ensure_ascii=False)
-            call_id = call.get("id") or f"call_{uuid.uuid4().hex[:24]}"
-            parts.tool_calls.append(ToolCall(call_id, call["name"], arguments))
+            tool_call = ToolCall(call.get("id") or _new_id(), call["name"], arguments)
+            parts.tool_calls.append(tool_call)
+            parts.tool_deltas.append(
+                ToolDelta(self.announced, tool_call.id, tool_call.name, tool_call.arguments)
+            )
+            self.announced += 1
             self.calls += 1
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _partial_marker(text: str, markers: list[str]) -> int:

@@ -26,23 +26,27 @@ class ChatPrompt:
 
 def plan_chat(
     tok: Tokenization, messages, tools, choice, template_kwargs, grammar,
-    max_tokens: int | None = None,
+    max_tokens: int | None = None, think_budget: int | None = None,
 ) -> tuple[list[int], ChatPrompt, tuple[str, str] | None]:  # fmt: skip
     """(prompt ids, what the rendering decided, the output's grammar) of a chat with
     OpenAI-shaped `messages`, `tools` and tool `choice`; `grammar` is the requested output
     format's (router.constraints.output_grammar), which a forced tool call replaces.
-    `max_tokens` (the request's, if it set one) bounds a thought before such an output."""
+    A thought is bounded by `think_budget` tokens (Anthropic's budget_tokens) if given,
+    else before such an output by half of `max_tokens` (the request's, if it set one), so
+    the constrained answer still fits."""
     fmt = tok.chat_format
     tools = check_tools(fmt, tools)
     parse_tools, forced = tool_choice(choice, tools)
     text = tok.render_chat(messages, tools, template_kwargs)
     prompt = ChatPrompt(fmt, tools if parse_tools else None, fmt.starts_thinking(text))
+    if not think_budget and (forced or grammar) and max_tokens:
+        think_budget = max_tokens // 2
     if forced:
         if grammar:
             raise RequestError("a tool_choice that forces a call takes no output format")
-        grammar = tool_grammar(fmt, tools, forced, prompt.thinking, max_tokens)
-    elif grammar and prompt.thinking:
-        grammar = after_thinking(fmt, grammar, max_tokens)
+        grammar = tool_grammar(fmt, tools, forced, prompt.thinking, think_budget)
+    elif prompt.thinking:
+        grammar = after_thinking(fmt, grammar, think_budget)
     return tok.encode_rendered(text), prompt, grammar
 
 
@@ -59,18 +63,15 @@ def chat_renderer(
     first = [True]
 
     def render_delta(c: Output, text: str) -> dict:
-        calls_before = splitter.calls
         parts = splitter.feed(text, final=c.finish_reason is not None)
         delta = {"role": "assistant"} if first[0] else {}
         first[0] = False
-        if parts.content or not (parts.reasoning or parts.tool_calls):
+        if parts.content or not (parts.reasoning or parts.tool_deltas):
             delta["content"] = parts.content
         if parts.reasoning:
             delta["reasoning_content"] = parts.reasoning
-        if parts.tool_calls:
-            delta["tool_calls"] = [
-                call.openai(calls_before + i) for i, call in enumerate(parts.tool_calls)
-            ]
+        if parts.tool_deltas:
+            delta["tool_calls"] = [d.openai() for d in parts.tool_deltas]
         choice = {"index": index, "delta": delta, "logprobs": logprobs_of(c)}
         choice["finish_reason"] = finish_reason(c.finish_reason, splitter)
         return body("chat.completion.chunk", choice)

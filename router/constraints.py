@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 
-from common.grammar_spec import JSON_OPTIONS, GrammarError, check
+from common.grammar_spec import GrammarError, check
 from router.chat_format import ChatFormat
 from router.manager import RequestError
-
-# Tool-call formats whose calls a grammar can force: start marker, JSON call, end marker.
-_JSON_CALL_FORMATS = {"json_tools"}
+from router.tool_grammars import forced_call_rules, json_rule
 
 
 def output_grammar(response_format: dict | None, regex, ebnf) -> tuple[str, str] | None:
@@ -45,68 +43,47 @@ def output_grammar(response_format: dict | None, regex, ebnf) -> tuple[str, str]
 
 def tool_grammar(
     fmt: ChatFormat, tools: list[dict], names: list[str], thinking: bool,
-    max_tokens: int | None = None,
+    think_budget: int | None = None,
 ) -> tuple[str, str]:  # fmt: skip
-    """A grammar that makes the model call one of the tools `names` (OpenAI tool dicts);
-    `thinking`: the prompt opened a thinking block, in which the model thinks first
-    (see `_thought`)."""
-    if fmt.tool_parser_type not in _JSON_CALL_FORMATS:
-        raise RequestError(
-            "this tool choice must be enforced by a grammar, which radix-mlx builds for the "
-            f"{', '.join(sorted(_JSON_CALL_FORMATS))} tool format; this model's is "
-            f"{fmt.tool_parser_type!r}: use tool_choice auto"
-        )
+    """A grammar that makes the model call one of the tools `names` (OpenAI tool dicts) in
+    its own tool format (router.tool_grammars); `thinking`: the prompt opened a thinking
+    block, in which the model thinks first (see `_thought`)."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
-    calls = []
     for name in names:
         if name not in by_name:
             raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
-        parameters = by_name[name].get("parameters") or {"type": "object"}
-        calls.append({
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })  # fmt: skip
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    head = json.dumps(fmt.tool_call_start + "\n")
-    if thinking:
-        head = f"thought {json.dumps(fmt.think_end + chr(10) * 2 + fmt.tool_call_start + chr(10))}"
-    lark = (
-        f"start: {head} call {json.dumps(chr(10) + fmt.tool_call_end)}\n"
-        f"call: {_json_rule(schema)}\n{_thought(fmt, max_tokens) if thinking else ''}"
-    )
-    return checked(("lark", lark))
+    rules = forced_call_rules(fmt.tool_parser_type, [by_name[n] for n in names])
+    head = f"thought {json.dumps(fmt.think_end + chr(10) * 2)} " if thinking else ""
+    thought = _thought(fmt, think_budget) if thinking else ""
+    return checked(("lark", f"start: {head}call\n{rules}{thought}"))
 
 
 def after_thinking(
-    fmt: ChatFormat, grammar: tuple[str, str], max_tokens: int | None = None
-) -> tuple[str, str]:
+    fmt: ChatFormat, grammar: tuple[str, str] | None, think_budget: int | None
+) -> tuple[str, str] | None:
     """The grammar for a chat whose prompt opened a thinking block: a JSON answer comes
     after the model's thought (`_thought`); a regex or EBNF governs the whole output,
-    thinking included."""
-    kind, source = grammar
+    thinking included; without a grammar, a `think_budget` alone bounds the thought and
+    leaves the answer free."""
+    kind, source = grammar or ("", "")
+    if grammar is None and think_budget:
+        end = json.dumps(fmt.think_end)
+        lark = f"start: thought {end} ANSWER\nANSWER: /(?s:.*)/\n{_thought(fmt, think_budget)}"
+        return checked(("lark", lark))
     if kind != "json_schema":
         return grammar
-    answer = _json_rule(json.loads(source))
+    answer = json_rule(json.loads(source))
     closed = json.dumps(fmt.think_end + "\n\n")
-    lark = f"start: thought {closed} answer\nanswer: {answer}\n{_thought(fmt, max_tokens)}"
+    lark = f"start: thought {closed} answer\nanswer: {answer}\n{_thought(fmt, think_budget)}"
     return checked(("lark", lark))
 
 
-def _thought(fmt: ChatFormat, max_tokens: int | None) -> str:
+def _thought(fmt: ChatFormat, budget: int | None) -> str:
     """The lark rules of a thought: any text without the block's end marker, which follows
-    it when the model writes it; with a `max_tokens`, it is forced after half of them at
-    most, so the constrained answer still fits (a thought may be empty)."""
-    budget = f"[max_tokens={max(1, max_tokens // 2)}]" if max_tokens else ""
+    it when the model writes it, or after `budget` tokens at most (a thought may be empty)."""
+    bound = f"[max_tokens={max(1, budget)}]" if budget else ""
     end = json.dumps(fmt.think_end)
-    return f"thought{budget}: THOUGHT\nTHOUGHT: /(?s:.*)/ & ~(/(?s:.*)/ {end} /(?s:.*)/)\n"
-
-
-def _json_rule(schema: dict | bool) -> str:
-    """A lark rule for JSON of `schema`, compact (see common.grammar_spec)."""
-    schema = {} if schema is True else schema
-    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+    return f"thought{bound}: THOUGHT\nTHOUGHT: /(?s:.*)/ & ~(/(?s:.*)/ {end} /(?s:.*)/)\n"
 
 
 def check_tools(fmt: ChatFormat, tools: list | None) -> list[dict] | None:

@@ -38,13 +38,12 @@ from router.frontdoor import FrontDoor
 from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
-from router.model_files import ModelNotFound, load_tokenizer, resolve_model_path
+from router.model_files import load_tokenizer, resolve_args
 from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
 from router.supervisor import Children, Supervision, Supervisor
 from router.worker_group import launched_rank, launched_spec
-from worker_mlx.distributed_plan import check_model_dir
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
@@ -54,17 +53,12 @@ HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being wri
 def serve(args: ServerArgs) -> int:
     set_title("router")
     setup_logging("router", args.log_level)
-    try:
-        args.validate()
-        model_dir = resolve_model_path(args.model_path)
-        if args.group_size > 1:
-            check_model_dir(model_dir, args.tp_size, args.pp_size)
-    except (ValueError, ModelNotFound) as exc:
-        logger.error("%s", exc)
-        return 1
     if args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=args.model_path)
-    child_args = dataclasses.replace(args, model_path=model_dir)
+    child_args = resolve_args(args, logger)
+    if child_args is None:
+        return 1
+    model_dir = child_args.model_path
     rank = launched_rank() if args.dist_hostfile else None
     if rank:  # a machine of a group under mlx.launch that runs its rank only
         from worker_mlx.worker import run_worker

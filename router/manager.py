@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from common.messages import (
-    ROUTER_INBOX,
     AbortReq,
+    CacheEvicted,
     GenerateReq,
     ReqError,
     SamplingParams,
@@ -39,9 +39,9 @@ from common.messages import (
     TokenOutBatch,
     WorkerHung,
 )
-from common.protocol import ProtocolError, decode, encode, peek_rids
+from common.protocol import encode
 from common.trace import Trace
-from router.replicas import Replica, ReplicaSet
+from router.replicas import Replica, ReplicaSet, read_scheduler
 from router.routing import RoundRobin
 
 logger = logging.getLogger("router")
@@ -138,18 +138,10 @@ class RouterManager:
                 task.cancel()
 
     async def _receive(self, replica: Replica) -> None:
-        while True:
-            frame = await replica.link.recv()
-            replica.last_heard = time.monotonic()
-            try:
-                msg = decode(frame, ROUTER_INBOX)
-            except ProtocolError as exc:
-                logger.error("bad frame from the scheduler of replica %s: %s", replica.id, exc)
-                for rid in peek_rids(frame):  # their answer is lost: do not let them wait
-                    self._deliver(replica, rid, RequestError(
-                        f"bad frame from the scheduler: {exc}", "internal_error", 500))  # fmt: skip
-                continue
-            self._dispatch(replica, msg)
+        def lost(rid: str, why: str) -> None:
+            self._deliver(replica, rid, RequestError(why, "internal_error", 500))
+
+        await read_scheduler(replica, lambda msg, _: self._dispatch(replica, msg), lost, logger)
 
     def _dispatch(self, replica: Replica, msg) -> None:
         if isinstance(msg, TokenOutBatch):
@@ -162,6 +154,8 @@ class RouterManager:
             replica.stats = msg
             if self.metrics:
                 self.metrics.observe_stats(msg, replica.id)
+        elif isinstance(msg, CacheEvicted):
+            self.policy.evicted(replica, msg.paths)
         elif isinstance(msg, SchedulerReady):
             self._replica_ready(replica, msg)
         elif isinstance(msg, WorkerHung):

@@ -7,10 +7,12 @@ processes. One registry per server, so tests can run several. Every metric is in
 `METRICS` below; labels stay low-cardinality (`finish_reason`, `process`, `replica`,
 `policy`, `reason`).
 
-With several replicas (`--dp-size`), the unlabeled scheduler-side series are the server's
-totals (token usage: the share of all pools), so dashboards and alerts read the same
-whatever N; the `replica_*` series, labeled `replica` (`r0`, `r1`, ...), are each
-replica's own, and `routing_decisions_total{policy,reason}` counts the router's choices.
+Every scheduler-side series (token and request counters, latency histograms, gauges) has
+a `replica` label: `r0`, `r1`, ... in --dp-size order, then the --replica ones; a single
+replica is `r0`. The server's totals are their `sum` (token usage: `sum(token_usage *
+kv_pool_capacity_tokens) / sum(kv_pool_capacity_tokens)`, the share of all pools). The
+`replica_*` series are the router's view of each replica (up, restarts, requests routed)
+and `routing_decisions_total{policy,reason}` counts the router's choices.
 """
 
 from __future__ import annotations
@@ -59,13 +61,9 @@ METRICS = {
     "replica_up": "gauge",
     "replica_restarts": "counter",
     "replica_requests": "counter",
-    "replica_prompt_tokens": "counter",
-    "replica_cached_tokens": "counter",
-    "replica_num_running_requests": "gauge",
-    "replica_num_queued_requests": "gauge",
-    "replica_token_usage": "gauge",
     "collective_seconds": "histogram",
 }
+FINISH_REASONS = ("stop", "length", "abort")
 PROCESSES = ("router", "scheduler", "worker")
 
 
@@ -86,64 +84,45 @@ def exported_series() -> set[str]:
 class _Live:
     """Per-request state between the first output and the end."""
 
-    __slots__ = ("created", "last", "end_reason")
+    __slots__ = ("created", "last", "end_reason", "replica")
 
-    def __init__(self, created: float, now: float):
-        self.created, self.last = created, now
+    def __init__(self, created: float, now: float, replica: str):
+        self.created, self.last, self.replica = created, now, replica
         self.end_reason: str | None = None
 
 
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        p = PREFIX
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens", registry=r)
-        self.cached_tokens = Counter(
-            p + "cached_tokens", "Prompt tokens from the prefix cache", registry=r
-        )
-        self.requests = Counter(
-            p + "requests",
-            "Finished requests (abort: the client went away or cancelled)",
-            ["finish_reason"],
-            registry=r,
-        )
-        self.evicted_tokens = Counter(
-            p + "evicted_tokens", "Tokens evicted from the cache", registry=r
-        )
-        self.retracted = Counter(
-            p + "retracted_requests", "Requests retracted to the queue", registry=r
-        )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds",
-            "Time between output tokens",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Request latency",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            p + "queue_time_seconds",
-            "Time from arrival at the scheduler to the first prefill",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.running = Gauge(p + "num_running_requests", "Running requests", registry=r)
-        self.queued = Gauge(p + "num_queued_requests", "Waiting requests", registry=r)
-        self.token_usage = Gauge(
-            p + "token_usage", "KV pool share held by running requests", registry=r
-        )
-        self.capacity = Gauge(p + "kv_pool_capacity_tokens", "KV pool size", registry=r)
+        p, label = PREFIX, ["replica"]
+
+        def counter(name: str, doc: str, labels=("replica",)) -> Counter:
+            return Counter(p + name, doc, list(labels), registry=r)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(p + name, doc, label, buckets=buckets, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(p + name, doc, label, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens from the prefix cache")
+        self.requests = counter("requests", "Finished requests (abort: the client went away "
+                                "or cancelled)", ("finish_reason", "replica"))  # fmt: skip
+        self.evicted_tokens = counter("evicted_tokens", "Tokens evicted from the cache")
+        self.retracted = counter("retracted_requests", "Requests retracted to the queue")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
+                              LATENCY_BUCKETS)  # fmt: skip
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens",
+                             ITL_BUCKETS)  # fmt: skip
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "Time from arrival at the scheduler "
+                                    "to the first prefill", LATENCY_BUCKETS)  # fmt: skip
+        self.running = gauge("num_running_requests", "Running requests")
+        self.queued = gauge("num_queued_requests", "Waiting requests")
+        self.token_usage = gauge("token_usage", "KV pool share held by running requests")
+        self.capacity = gauge("kv_pool_capacity_tokens", "KV pool size")
         self.up = Gauge(p + "process_up", "1 while the process serves", ["process"], registry=r)
         self.restarts = Counter(
             p + "process_restarts",
@@ -152,14 +131,11 @@ class Metrics:
             registry=r,
         )
         self._replica_metrics(r)
-        self.collective = Histogram(
-            p + "collective_seconds",
+        self.collective = histogram(
+            "collective_seconds",
             "A distributed worker's decode-step collectives, timed alone every 64 steps",
-            buckets=COLLECTIVE_BUCKETS,
-            registry=r,
+            COLLECTIVE_BUCKETS,
         )
-        for reason in ("stop", "length", "abort"):
-            self.requests.labels(reason)  # export zeros, so rate() works from the start
         for process in PROCESSES:
             self.up.labels(process).set(process == "router")
             if process != "router":
@@ -185,23 +161,6 @@ class Metrics:
             p + "replica_requests", "Requests routed to the replica (retries included)", label,
             registry=r,
         )  # fmt: skip
-        self.replica_prompt = Counter(
-            p + "replica_prompt_tokens", "Prompt tokens the replica served", label, registry=r
-        )
-        self.replica_cached = Counter(
-            p + "replica_cached_tokens", "Prompt tokens from the replica's prefix cache", label,
-            registry=r,
-        )  # fmt: skip
-        self.replica_running = Gauge(
-            p + "replica_num_running_requests", "Running requests", label, registry=r
-        )
-        self.replica_queued = Gauge(
-            p + "replica_num_queued_requests", "Waiting requests", label, registry=r
-        )
-        self.replica_usage = Gauge(
-            p + "replica_token_usage", "Share of the replica's KV pool held by running requests",
-            label, registry=r,
-        )  # fmt: skip
 
     def observe_routing(self, policy: str, reason: str, replica: str, seconds: float) -> None:
         self.routing.labels(policy, reason).inc()
@@ -212,6 +171,8 @@ class Metrics:
         """A (re)started scheduler: its counters start from 0, its pool is empty."""
         self._stats.pop(replica, None)  # its cumulative counters start again from 0
         self._down.discard(replica)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason, replica)  # export zeros, so rate() works from the start
         self.observe_stats(SchedulerStats(0, 0, 0.0, ready.num_slots, 0, 0), replica)
         self.replica_up.labels(replica).set(1)
         if not self._down:
@@ -228,52 +189,47 @@ class Metrics:
         if last is not None:
             self._stats[replica] = SchedulerStats(0, 0, 0.0, last.capacity, last.evicted_tokens,
                                                   last.retracted_requests)  # fmt: skip
-        self._set_totals()
+            self._set_gauges(self._stats[replica], replica)
         for child in ("scheduler", "worker"):
             self.up.labels(child).set(0)
 
     def observe_stats(self, s: SchedulerStats, replica: str = "r0") -> None:
         seen = self._stats.get(replica)
-        self.evicted_tokens.inc(max(0, s.evicted_tokens - (seen.evicted_tokens if seen else 0)))
-        self.retracted.inc(max(0, s.retracted_requests - (seen.retracted_requests if seen else 0)))
+        evicted = s.evicted_tokens - (seen.evicted_tokens if seen else 0)
+        retracted = s.retracted_requests - (seen.retracted_requests if seen else 0)
+        self.evicted_tokens.labels(replica).inc(max(0, evicted))
+        self.retracted.labels(replica).inc(max(0, retracted))
         if s.collective_probes > (seen.collective_probes if seen else 0):
-            self.collective.observe(s.collective_seconds)
+            self.collective.labels(replica).observe(s.collective_seconds)
         self._stats[replica] = s
-        self.replica_running.labels(replica).set(s.num_running)
-        self.replica_queued.labels(replica).set(s.num_queued)
-        self.replica_usage.labels(replica).set(s.token_usage)
-        self._set_totals()
+        self._set_gauges(s, replica)
 
-    def _set_totals(self) -> None:
-        stats = self._stats.values()
-        capacity = sum(s.capacity for s in stats)
-        self.running.set(sum(s.num_running for s in stats))
-        self.queued.set(sum(s.num_queued for s in stats))
-        self.capacity.set(capacity)
-        used = sum(s.token_usage * s.capacity for s in stats)
-        self.token_usage.set(used / capacity if capacity else 0.0)
+    def _set_gauges(self, s: SchedulerStats, replica: str) -> None:
+        self.running.labels(replica).set(s.num_running)
+        self.queued.labels(replica).set(s.num_queued)
+        self.token_usage.labels(replica).set(s.token_usage)
+        self.capacity.labels(replica).set(s.capacity)
 
     def observe_output(self, out: TokenOut, created: float, replica: str = "r0") -> None:
         now = time.monotonic()
         live = self._live.get(out.rid)
         if live is None:
-            live = self._live[out.rid] = _Live(created, now)
-            self.ttft.observe(now - created)
-            self.queue_time.observe(max(0.0, out.queue_time))
-            self.prompt_tokens.inc(out.prompt_tokens)
-            self.cached_tokens.inc(out.cached_tokens)
-            self.replica_prompt.labels(replica).inc(out.prompt_tokens)
-            self.replica_cached.labels(replica).inc(out.cached_tokens)
+            live = self._live[out.rid] = _Live(created, now, replica)
+            self.ttft.labels(replica).observe(now - created)
+            self.queue_time.labels(replica).observe(max(0.0, out.queue_time))
+            self.prompt_tokens.labels(replica).inc(out.prompt_tokens)
+            self.cached_tokens.labels(replica).inc(out.cached_tokens)
         elif out.token_ids:
             gap = (now - live.last) / len(out.token_ids)
+            itl = self.itl.labels(replica)
             for _ in out.token_ids:
-                self.itl.observe(gap)
-        self.generation_tokens.inc(len(out.token_ids))
+                itl.observe(gap)
+        self.generation_tokens.labels(replica).inc(len(out.token_ids))
         live.last = now
         if out.finish_reason is not None:
             del self._live[out.rid]
-            self.e2e.observe(now - created)
-            self.requests.labels(out.finish_reason).inc()
+            self.e2e.labels(replica).observe(now - created)
+            self.requests.labels(out.finish_reason, replica).inc()
 
     def note_finish(self, rid: str, reason: str) -> None:
         """The router ended a request itself (a stop string matched on the text)."""
@@ -291,8 +247,8 @@ class Metrics:
         if live is None:
             return
         if live.end_reason is not None:
-            self.e2e.observe(time.monotonic() - live.created)
-        self.requests.labels(live.end_reason or "abort").inc()
+            self.e2e.labels(live.replica).observe(time.monotonic() - live.created)
+        self.requests.labels(live.end_reason or "abort", live.replica).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

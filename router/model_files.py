@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from pathlib import Path
+
+from common.server_args import ServerArgs
+from worker_mlx.distributed_plan import check_model_dir
 
 
 class ModelNotFound(Exception):
@@ -30,6 +35,21 @@ def resolve_model_path(path_or_id: str) -> str:
         raise ModelNotFound(
             f"--model-path {path_or_id}: cannot load from Hugging Face: {first_line}"
         ) from None
+
+
+def resolve_args(args: ServerArgs, logger: logging.Logger) -> ServerArgs | None:
+    """What `serve` and `replica` pass their children: `args` validated, with the model
+    path resolved to a local directory. None, after logging the one line why, if the
+    flags are invalid or the model cannot be found."""
+    try:
+        args.validate()
+        model_dir = resolve_model_path(args.model_path)
+        if args.group_size > 1:  # what cannot be split is refused before a rank starts
+            check_model_dir(model_dir, args.tp_size, args.pp_size)
+        return dataclasses.replace(args, model_path=model_dir)
+    except (ValueError, ModelNotFound) as exc:
+        logger.error("%s", exc)
+        return None
 
 
 def load_tokenizer(model_dir: str):

@@ -9,6 +9,7 @@ link turns what it hears, and what it does not, into the replica's `state`:
 - `ready`: it serves the router's model (its ModelIdentity equals the router's) and its
   scheduler is ready;
 - `starting`: connected; its children are loading or being restarted;
+- `draining`: it is shutting down (SIGTERM): no new requests, those in flight go on;
 - `down`: nothing heard for SILENCE_TIMEOUT (dead, unreachable or hung), or it stopped;
 - `refused`: it serves another model, or the CURVE handshake failed (a key that does not
   match); the reason says which, logged once as one line.
@@ -152,7 +153,9 @@ class RemoteLink:
     def _silent(self, now: float) -> bool:
         """Nothing heard for SILENCE_TIMEOUT, and nothing waiting to be read (a busy
         router loop is not a silent replica)."""
-        waiting = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        # `get`, not `getsockopt`: only the asyncio socket's `get` re-arms its reader after
+        # reading EVENTS consumed the fd's edge (else a waiting frame is never received)
+        waiting = self.sock.get(zmq.EVENTS) & zmq.POLLIN
         return now - self.last_heard > SILENCE_TIMEOUT and not waiting
 
     async def _monitor_loop(self) -> None:
@@ -183,6 +186,9 @@ class RemoteLink:
         elif status.state in ("starting", "restarting"):
             self.ready = None
             self._set("starting", status.reason or status.state)
+        elif status.state == "draining":  # shutting down: its requests in flight go on
+            self.ready = None
+            self._set("draining", status.reason or status.state)
         else:
             self.ready = None
             self._set("down", status.reason or status.state)
@@ -232,6 +238,9 @@ def attach_remote_replicas(manager, args: ServerArgs, identity: ModelIdentity, c
 
 
 def _follow(manager, replica, link: RemoteLink) -> None:
+    if link.state == "draining":  # no new requests; it answers those it has
+        replica.state, replica.reason = "draining", link.reason
+        return
     if link.state == "ready":
         if replica.state == "refused":
             replica.state = "starting"  # takes the SchedulerReady that `recv` returns next

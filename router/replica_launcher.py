@@ -2,18 +2,21 @@
 
 Exit status: 2 for flags that cannot work (a non-loopback --listen without CURVE keys, a
 key file that cannot be read, an address in use), 1 when the model cannot be served or
-the children crash-loop (--max-restarts), 0 after SIGTERM or SIGINT. Requests in flight
-when the replica stops fail at their router with a 503 naming the replica.
+the children crash-loop (--max-restarts), 0 after SIGTERM or SIGINT. The first signal
+drains, as `serve` does: the replica tells its routers (state `draining`, so they route
+elsewhere), refuses new requests, and stops once those in flight ended or after
+--graceful-shutdown-timeout seconds, failing the rest with a 503 naming the replica; a
+second signal stops at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import shutil
 import signal
 import tempfile
+import time
 
 import uvloop
 import zmq
@@ -24,12 +27,13 @@ from common.log import setup_logging
 from common.model_identity import describe, model_identity
 from common.server_args import ServerArgs
 from router.metrics import Metrics
-from router.model_files import ModelNotFound, resolve_model_path
+from router.model_files import resolve_args
 from router.replica_server import ReplicaServer, replica_args_problem
 from router.supervisor import Children, Supervisor
 
 logger = logging.getLogger("replica")
 FLUSH_WAIT = 0.1  # seconds for the last statuses and errors to leave before the sockets close
+DRAIN_POLL = 0.05  # seconds between checks for the last request in flight during a drain
 
 
 def run_replica(args: ServerArgs) -> int:
@@ -39,13 +43,9 @@ def run_replica(args: ServerArgs) -> int:
     if problem:
         logger.error("%s", problem)
         return 2
-    try:
-        args.validate()
-        model_dir = resolve_model_path(args.model_path)
-    except (ValueError, ModelNotFound) as exc:
-        logger.error("%s", exc)
+    child_args = resolve_args(args, logger)
+    if child_args is None:
         return 1
-    child_args = dataclasses.replace(args, model_path=model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)
@@ -64,10 +64,10 @@ async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> i
         logger.error("cannot listen on %s: %s", args.listen, exc)
         return 2
     children.start()
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()  # the first signal, the second
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, children, stop, sig)
+        loop.add_signal_handler(sig, _on_signal, children, stop, now, sig)
     keys = "CURVE keys" if args.curve_secret_key else "no keys: loopback only"
     logger.info("listening on %s (%s) for routers; %s", args.listen, keys, describe(identity))
     loops = [server.front_loop(), server.scheduler_loop(), server.forget_silent_routers()]
@@ -79,7 +79,7 @@ async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> i
         await asyncio.wait({life, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if life.done():
             return life.result()
-        server.stopped("the replica stopped")
+        server.stopped(await _drain(server, args.graceful_shutdown_timeout, now))
         await asyncio.sleep(FLUSH_WAIT)
         return 0
     finally:
@@ -88,10 +88,31 @@ async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> i
         server.close()
 
 
-def _on_signal(children: Children, stop: asyncio.Event, sig: int) -> None:
-    logger.info("%s: stopping", signal.Signals(sig).name)
-    children.stopping.set()
-    stop.set()
+def _on_signal(children: Children, stop: asyncio.Event, now: asyncio.Event, sig: int) -> None:
+    name = signal.Signals(sig).name
+    children.stopping.set()  # they keep serving through a group SIGTERM until we stop them
+    if stop.is_set():
+        logger.info("%s: stopping now", name)
+        now.set()
+    else:
+        logger.info("%s: draining (--graceful-shutdown-timeout); signal again to stop now", name)
+        stop.set()
+
+
+async def _drain(server: ReplicaServer, timeout: float, now: asyncio.Event) -> str:
+    """Wait for the requests in flight (up to `timeout`, or the second signal); the
+    reason the rest fail with."""
+    server.draining()
+    deadline = time.monotonic() + timeout
+    while server.owner and time.monotonic() < deadline and not now.is_set():
+        await asyncio.sleep(DRAIN_POLL)
+    if not server.owner or now.is_set():
+        return "the replica stopped"
+    logger.warning("%d request(s) still running; failing them", len(server.owner))
+    return (
+        "the replica stopped before the request finished "
+        f"(--graceful-shutdown-timeout {timeout:g} s)"
+    )
 
 
 async def _serve(server: ReplicaServer, supervisor: Supervisor) -> int:

@@ -36,8 +36,8 @@ from common.ipc import Endpoints
 from common.messages import (
     REPLICA_CONTROL,
     REPLICA_INBOX,
-    ROUTER_INBOX,
     AbortReq,
+    CacheEvicted,
     GenerateReq,
     ModelIdentity,
     ReplicaFrameError,
@@ -49,9 +49,9 @@ from common.messages import (
     TokenOutBatch,
     WorkerHung,
 )
-from common.protocol import ProtocolError, decode, encode, peek_rid, peek_rids
+from common.protocol import ProtocolError, decode, encode, peek_rid
 from common.server_args import ServerArgs
-from router.replicas import Replica, ReplicaLink
+from router.replicas import Replica, ReplicaLink, read_scheduler
 
 logger = logging.getLogger("replica")
 ROUTER_TIMEOUT = 10.0  # seconds without a frame (pings come every 0.5 s) before a router is gone
@@ -133,17 +133,10 @@ class ReplicaServer:
     # ------------------------------------------------------------ scheduler -> routers
 
     async def scheduler_loop(self) -> None:
-        while True:
-            frame = await self.local.link.recv()
-            self.local.last_heard = time.monotonic()
-            try:
-                msg = decode(frame, ROUTER_INBOX)
-            except ProtocolError as exc:
-                logger.error("bad frame from scheduler: %s", exc)
-                for rid in peek_rids(frame):
-                    self._fail(rid, f"bad frame from the scheduler: {exc}", "internal_error", 500)
-                continue
-            self._on_scheduler_message(msg, frame)
+        def lost(rid: str, why: str) -> None:
+            self._fail(rid, why, "internal_error", 500)
+
+        await read_scheduler(self.local, self._on_scheduler_message, lost, logger)
 
     def _on_scheduler_message(self, msg, frame: bytes) -> None:
         if isinstance(msg, TokenOutBatch):
@@ -152,7 +145,7 @@ class ReplicaServer:
             peer = self.owner.pop(msg.rid, None)
             if peer is not None:
                 self._send(peer, frame)
-        elif isinstance(msg, SchedulerStats):
+        elif isinstance(msg, (SchedulerStats, CacheEvicted)):  # every router's concern
             for peer in self.routers:
                 self._send(peer, frame)
         elif isinstance(msg, SchedulerReady):
@@ -211,6 +204,12 @@ class ReplicaServer:
         self._broadcast_status()
 
     def serving(self) -> None:
+        self._broadcast_status()
+
+    def draining(self) -> None:
+        """SIGTERM: routers send nothing new (and new requests are refused with a 503);
+        what runs goes on until it ends or the drain times out."""
+        self.state, self.reason = "draining", "draining: the replica is shutting down"
         self._broadcast_status()
 
     def stopped(self, reason: str) -> None:

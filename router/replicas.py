@@ -7,14 +7,15 @@ outputs, each on its own receive task; a replica's supervisor (local pairs:
 `router.supervisor`) reports its failures (`RouterManager.replica_down`).
 
 States: `starting` (spawned or reconnecting; no traffic), `ready` (its SchedulerReady came;
-it gets traffic), `down` (dead, silent, or given up; its in-flight requests were failed or
+it gets traffic), `draining` (a remote replica shutting down: no new traffic, its requests
+in flight go on), `down` (dead, silent, or given up; its in-flight requests were failed or
 retried), `refused` (it serves another model; never gets traffic).
 
 The seam for a replica this router did not start (a pair reached at tcp://HOST:PORT): it
 needs a `ReplicaLink` (below) whose `send` reaches its scheduler with the messages of
 `common.messages.SCHEDULER_FROM_ROUTER` and whose `recv` returns the scheduler's frames
-(`ROUTER_INBOX`: TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, WorkerHung);
-`RouterManager.add_replica` then starts reading it. Its ready report is the
+(`ROUTER_INBOX`: TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted,
+WorkerHung); `RouterManager.add_replica` then starts reading it. Its ready report is the
 SchedulerReady frame (the manager marks it ready); its liveness is the stream of
 SchedulerStats (at least one a second): one silent for SILENT_AFTER gets no new traffic,
 and whatever watches it calls `replica_down` when it gives it up. Nothing else of the
@@ -24,19 +25,22 @@ router differs between a local and a remote replica.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from common.ipc import Endpoints, bind_pull, connect_push
-from common.messages import SchedulerReady, SchedulerStats, WorkerHung
+from common.messages import ROUTER_INBOX, SchedulerReady, SchedulerStats, WorkerHung
+from common.protocol import ProtocolError, decode, peek_rids
 
 # A replica whose scheduler has sent nothing for this long gets no new requests until it
 # speaks again (its scheduler sends stats at least once a second, also during a long step).
 SILENT_AFTER = 2.0
-STATES = ("starting", "ready", "down", "refused")
+STATES = ("starting", "ready", "draining", "down", "refused")
 
 
 class ReplicaLink:
@@ -124,3 +128,26 @@ class ReplicaSet:
     def first_ready(self) -> SchedulerReady | None:
         """A ready report (every replica serves the same model, so any will do)."""
         return next((r.ready for r in self.replicas if r.ready is not None), None)
+
+
+async def read_scheduler(
+    replica: Replica,
+    on_message: Callable[[object, bytes], None],
+    on_lost: Callable[[str, str], None],
+    log: logging.Logger,
+) -> None:
+    """Read a replica's scheduler frames for ever (the router's and a remote replica's
+    relay alike): each is a sign of life; a decoded one goes to `on_message(msg, frame)`;
+    one that does not decode is logged, and each request it names is lost
+    (`on_lost(rid, why)`: its answer is gone, so it must not wait)."""
+    while True:
+        frame = await replica.link.recv()
+        replica.last_heard = time.monotonic()
+        try:
+            msg = decode(frame, ROUTER_INBOX)
+        except ProtocolError as exc:
+            log.error("bad frame from the scheduler of replica %s: %s", replica.id, exc)
+            for rid in peek_rids(frame):
+                on_lost(rid, f"bad frame from the scheduler: {exc}")
+            continue
+        on_message(msg, frame)

@@ -7,7 +7,9 @@
   for a new prefix (`cache_miss`). Load is imbalanced when the busiest and the idlest
   replica differ by more than `balance_abs` requests AND the busiest has more than
   `balance_rel` times the idlest's: then the least-loaded replica gets it (`imbalanced`).
-  The chosen replica's tree takes in the prompt, so one conversation (one prefix) sticks.
+  The chosen replica's tree takes in the prompt, so one conversation (one prefix) sticks,
+  and gives up what the replica reports it evicted (`CacheEvicted`), so a prefix that
+  replica no longer holds does not draw requests there.
 - `round_robin`: the next replica in turn. `least_load`: the fewest requests in flight.
 
 Load is the router's own count of requests in flight per replica (exact, no message).
@@ -39,15 +41,15 @@ class RoundRobin:
     def reset(self, replica: Replica) -> None:
         pass
 
+    def evicted(self, replica: Replica, paths: list[list[int]]) -> None:
+        pass
 
-class LeastLoad:
+
+class LeastLoad(RoundRobin):
     name = "least_load"
 
     def choose(self, candidates: Sequence[Replica], tokens: list[int]) -> tuple[Replica, str]:
         return min(candidates, key=lambda r: r.load), self.name
-
-    def reset(self, replica: Replica) -> None:
-        pass
 
 
 class CacheAware:
@@ -91,6 +93,13 @@ class CacheAware:
         tree = self.trees.get(replica.id)
         if tree is not None:
             tree.clear()
+
+    def evicted(self, replica: Replica, paths: list[list[int]]) -> None:
+        """The replica's cache dropped these (common.messages.CacheEvicted)."""
+        tree = self.trees.get(replica.id)
+        if tree is not None:
+            for path in paths:
+                tree.remove(path)
 
 
 def make_policy(name: str, cache_threshold: float = 0.5, balance_abs: int = 32,

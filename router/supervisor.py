@@ -9,7 +9,9 @@ and serving resumes once the new scheduler reports ready. Each replica (`--dp-si
 supervised on its own: a failure takes only that replica down
 (`RouterManager.replica_down`) while the others serve. More than --max-restarts restarts
 of one replica within RESTART_WINDOW is a crash loop: the supervisor gives that replica
-up, and once every replica is given up the server exits 1.
+up, and once every local replica is given up the server exits 1, unless it also has
+remote replicas (`--replica`): then it serves from them, and /health shows the local ones
+`down` with the give-up line.
 """
 
 from __future__ import annotations
@@ -246,6 +248,16 @@ class Supervision:
     def __init__(self, supervisors: list[Supervisor]):
         self.supervisors = supervisors
 
+    async def _all_given_up(self, manager, line: str) -> str:
+        """Every local replica is given up: the server stops, unless it also serves from
+        remote replicas (they come and go on their own, so it goes on while it has any)."""
+        ours = {sup.replica for sup in self.supervisors}
+        if any(r not in ours for r in manager.replicas):
+            logger.error("%s; every local replica is given up, the remote ones go on", line)
+            await asyncio.Event().wait()
+        manager.stopped(line)
+        return line
+
     async def wait_ready(self) -> tuple[str, str] | None:
         for sup in self.supervisors:
             failure = await sup.wait_ready()
@@ -271,8 +283,7 @@ class Supervision:
                     sup.replica.reason = line
                     if tasks:
                         logger.error("%s; the other replicas go on", line)
-            sup.manager.stopped(line)
-            return line
+            return await self._all_given_up(sup.manager, line)
         finally:
             for task in tasks:
                 task.cancel()

@@ -48,7 +48,10 @@ class KVCacheManager:
         # the same free list, over state slots 1..num_state_slots (None: no recurrent layers)
         self.states = TokenToKVPoolAllocator(num_state_slots, debug) if num_state_slots else None
         self.tree = RadixCache(
-            self.allocator, disable=disable_radix_cache, state_allocator=self.states
+            self.allocator,
+            disable=disable_radix_cache,
+            state_allocator=self.states,
+            report_evictions=True,
         )
         self.req_to_token = ReqToTokenPool(max_requests)
         self.evicted_tokens = 0

@@ -23,6 +23,7 @@ from common.log import setup_logging
 from common.messages import (
     SCHEDULER_FROM_ROUTER,
     SCHEDULER_FROM_WORKER,
+    CacheEvicted,
     DecodeBatch,
     ExtendBatch,
     GenerateReq,
@@ -176,6 +177,9 @@ class SchedulerProcess:
         sees the state after that step; then tokens and errors."""
         sched = self.sched
         self._send_stats(sched.stats())
+        evicted = sched.take_evicted()
+        if evicted:
+            self.to_router.send(encode(CacheEvicted(evicted)))
         outputs = sched.take_outputs()
         tokens = [o for o in outputs if not isinstance(o, ReqError)]
         if tokens:

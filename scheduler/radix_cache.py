@@ -59,6 +59,7 @@ class RadixCache:
         page_size: int = 1,
         disable: bool = False,
         state_allocator: TokenToKVPoolAllocator | None = None,
+        report_evictions: bool = False,
     ) -> None:
         if page_size != 1:
             raise ValueError("only page_size=1 is supported")
@@ -66,6 +67,9 @@ class RadixCache:
         self.state_allocator = state_allocator  # where evicted snapshots go (recurrent models)
         self.page_size = page_size
         self.disable = disable
+        # With report_evictions, `evict` appends here the path (from the root) to the first
+        # token of every subtree it removes, for whoever mirrors this tree (the router).
+        self.evicted_paths: list[list[int]] | None = [] if report_evictions else None
         self._ids = count()
         self._clock = count(1)  # logical time: deterministic LRU, unlike wall time
         self._reset_tree()
@@ -242,10 +246,12 @@ class RadixCache:
         heap = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
         heapq.heapify(heap)
         freed = snapshots = 0
+        removed: dict[int, tuple[TreeNode, int]] = {}  # node id -> (its parent, first token)
         while (freed < num_tokens or snapshots < num_snapshots) and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
+            removed[node.id] = (parent, node.key[0])
             self.allocator.free(node.value)
             if node.snapshot is not None:
                 self._free_snapshots([node.snapshot])
@@ -256,7 +262,24 @@ class RadixCache:
             node.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        if self.evicted_paths is not None:
+            self._report(removed)
         return freed
+
+    def _report(self, removed: dict[int, tuple[TreeNode, int]]) -> None:
+        """The path to each removed subtree's top, a node whose parent stayed (a node
+        removed with its parent is covered by the parent's path)."""
+        for parent, first in removed.values():
+            if parent.id not in removed:
+                self.evicted_paths.append(self.path_to(parent) + [first])
+
+    def path_to(self, node: TreeNode) -> list[int]:
+        """The tokens from the root to the end of `node`."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [t for key in reversed(keys) for t in key]
 
     def _evictable_leaves(self) -> list[TreeNode]:
         leaves: list[TreeNode] = []

@@ -416,6 +416,16 @@ class Scheduler:
             collective_probes=self.collective_probes,
         )
 
+    def take_evicted(self) -> list[list[int]]:
+        """The trie's evicted paths since the last call (see CacheEvicted), less those a
+        queued or running request starts with: it caches them again, so the router's
+        guess that they are here stays true."""
+        paths, self.kv.tree.evicted_paths = self.kv.tree.evicted_paths, []
+        if not paths:
+            return []
+        reqs = self.waiting + self.holders()
+        return [p for p in paths if not any(r.input_ids[: len(p)] == p for r in reqs)]
+
     def holders(self) -> list[Req]:
         """Requests that hold slots in ReqToTokenPool."""
         return self.running + ([self.chunked] if self.chunked else [])

@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import load_model
 from tests.server import checked_server
 from tests.test_tools_api import AGENT_SERVER, UNICODE_ARGS, WEATHER
 
@@ -91,7 +92,10 @@ def test_tool_use_round_trip(claude):
 
 
 def test_named_tool_streams_input_json(claude):
+    """The tool_use block's input arrives in input_json_delta pieces as the model writes it;
+    the SDK's accumulation equals the non-streaming answer's."""
     choice = {"type": "tool", "name": "search"}
+    whole = create(claude, tools=TOOLS, tool_choice=choice)
     with claude.messages.stream(
         model="m",
         max_tokens=240,
@@ -101,35 +105,77 @@ def test_named_tool_streams_input_json(claude):
         tool_choice=choice,
         extra_body={"temperature": 0.0},
     ) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "content_block_start" in kinds and "message_delta" in kinds
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]  # fmt: skip
+    assert len(pieces) > 2
     (use,) = [b for b in final.content if b.type == "tool_use"]
     assert use.name == "search" and use.input == {"query": UNICODE_ARGS["query"]}
+    assert json.loads("".join(pieces)) == use.input
+    assert [b.input for b in whole.content if b.type == "tool_use"] == [use.input]
     assert final.stop_reason == "tool_use"
 
 
 def test_thinking_blocks(claude):
-    """Thinking on: the template opens <think>; a regex forces thought, end marker, text."""
+    """Thinking on: the template opens <think>; a regex forces thought, end marker, text.
+    The thinking block is signed, streamed as a signature_delta."""
     body = {"regex": "[a-z]{3,10}</think>[a-z]{2,6}"}
-    whole = create(claude, thinking={"type": "enabled", "budget_tokens": 1024}, extra_body=body)
+    enabled = {"type": "enabled", "budget_tokens": 100}
+    whole = create(claude, thinking=enabled, extra_body=body)
     assert [b.type for b in whole.content] == ["thinking", "text"]
     assert whole.content[0].thinking.isalpha() and whole.content[1].text.isalpha()
+    assert len(whole.content[0].signature) > 20
     with claude.messages.stream(
         model="m",
         max_tokens=120,
         messages=ASK,
         system=SYSTEM,
-        thinking={"type": "enabled", "budget_tokens": 1024},
+        thinking=enabled,
         extra_body={**body, "temperature": 0.0},
     ) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert "thinking_delta" in deltas and "text_delta" in deltas
+    assert deltas.index("signature_delta") < deltas.index("text_delta")
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
     off = create(claude, thinking={"type": "disabled"}, extra_body={"regex": "[a-z]{3,10}"})
     assert [b.type for b in off.content] == ["text"]
+
+
+def test_thinking_budget_bounds_the_thought(claude, agent_model):
+    """budget_tokens: the end marker is forced after that many thinking tokens; without a
+    budget, the random model's thought runs to max_tokens."""
+    tokenizer = load_model(agent_model)[1]
+    free = create(claude, thinking={"type": "enabled"}, max_tokens=40)
+    assert [b.type for b in free.content] == ["thinking"] and free.stop_reason == "max_tokens"
+    bounded = create(claude, thinking={"type": "enabled", "budget_tokens": 6}, max_tokens=40)
+    thought = bounded.content[0]
+    assert thought.type == "thinking" and thought.thinking
+    assert len(tokenizer.encode(thought.thinking, add_special_tokens=False)) <= 6 + 1
+    assert bounded.content[1:] or bounded.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError, match="greater than `thinking.budget_tokens`"):
+        create(claude, thinking={"type": "enabled", "budget_tokens": 40}, max_tokens=40)
+
+
+def test_history_thinking_signatures_are_checked(claude):
+    """A thinking block sent back must carry this server's signature of its text (400 as
+    on Anthropic's API otherwise): the SDK's round trip passes, an edit does not."""
+    body = {"regex": "[a-z]{3,10}</think>[a-z]{2,6}"}
+    first = create(claude, thinking={"type": "enabled", "budget_tokens": 100}, extra_body=body)
+    blocks = [b.model_dump() for b in first.content]
+    follow = [{"role": "user", "content": "go on"}]
+    ok = create(claude, messages=ASK + [{"role": "assistant", "content": blocks}] + follow,
+                max_tokens=2)  # fmt: skip
+    assert ok.usage.output_tokens >= 1
+    for edit in ({"thinking": blocks[0]["thinking"] + "x"}, {"signature": "forged"}):
+        bad = [{**blocks[0], **edit}, *blocks[1:]]
+        history = ASK + [{"role": "assistant", "content": bad}] + follow
+        with pytest.raises(anthropic.BadRequestError, match="Invalid `signature`"):
+            create(claude, messages=history, max_tokens=2)
 
 
 def test_stop_sequences_and_sampling(claude):
@@ -197,3 +243,16 @@ def test_bearer_and_x_api_key_both_work(server):
     )
     assert with_key.status_code == 200
     assert json.loads(with_key.text)["usage"]["completion_tokens"] == 1
+
+
+def test_thinking_signatures_outlive_the_server(tmp_path):
+    """Two signers (two runs of the server) on one key file sign alike; another file's
+    signer refuses their blocks."""
+    from router.thinking_signature import ThinkingSigner, stored_key
+
+    path = tmp_path / "state" / "key"
+    first, second = ThinkingSigner(stored_key(path)), ThinkingSigner(stored_key(path))
+    assert second.valid("a thought", first.sign("a thought"))
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    other = ThinkingSigner(stored_key(tmp_path / "other"))
+    assert not other.valid("a thought", first.sign("a thought"))

@@ -34,7 +34,14 @@ CASES = {
         "<tool_call>f<arg_key>q</arg_key><arg_value>Zürich 東京 😀</arg_value>"
         f"<arg_key>opts</arg_key><arg_value>{json.dumps(NESTED['opts'])}</arg_value></tool_call>"
     ),
+    "kimi_k2": (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        + json.dumps(NESTED, ensure_ascii=False)
+        + "<|tool_call_end|><|tool_calls_section_end|>"
+    ),
 }
+# no end marker: the call runs to the end of the output
+MISTRAL = "[TOOL_CALLS]f[ARGS]" + json.dumps(NESTED, ensure_ascii=False)
 
 
 def split(f: ChatFormat, text: str, piece: int, thinking: bool = False):
@@ -79,6 +86,37 @@ def test_without_tools_markers_are_content():
 def test_unparsable_call_is_returned_as_content():
     content, _, calls, s = split(fmt("json_tools"), "<tool_call>\n{broken\n</tool_call>", 3)
     assert calls == [] and "{broken" in content and finish_reason("stop", s) == "stop"
+
+
+@pytest.mark.parametrize("kind", ["json_tools", "kimi_k2", "mistral"])
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_json_arguments_stream_as_written(kind, piece):
+    """The formats whose arguments are one JSON object stream them in pieces, which
+    concatenate to the whole call's arguments; others stream each call whole."""
+    text = "Sure. " + (MISTRAL if kind == "mistral" else CASES[kind])
+    s = OutputSplitter(fmt(kind), TOOLS, False)
+    deltas, calls = [], []
+    pieces = [text[i : i + piece] for i in range(0, len(text), piece)] + [""]
+    for i, p in enumerate(pieces):
+        parts = s.feed(p, final=i == len(pieces) - 1)
+        deltas += parts.tool_deltas
+        calls += parts.tool_calls
+    (call,) = calls
+    assert deltas[0].name == "f" and deltas[0].id == call.id
+    assert all(d.index == 0 and d.name is None for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == call.arguments
+    assert json.loads(call.arguments) == NESTED
+    if piece == 1:
+        assert len(deltas) > 20  # one piece per character of the arguments
+    if kind == "kimi_k2":
+        assert call.id == "functions.f:0"  # the id mlx-lm's parser reads
+
+
+def test_a_format_without_streamed_arguments_sends_the_call_whole():
+    s = OutputSplitter(fmt("glm47"), TOOLS, False)
+    deltas = [d for ch in [*CASES["glm47"], ""] for d in s.feed(ch, final=ch == "").tool_deltas]
+    (delta,) = deltas
+    assert (delta.name, json.loads(delta.arguments)["q"]) == ("f", NESTED["q"])
 
 
 def test_unterminated_call_is_parsed_at_the_end():

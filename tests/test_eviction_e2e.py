@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
-import re
 import time
 
 import httpx
@@ -12,14 +11,16 @@ import pytest
 
 from tests.conftest import mlx_greedy
 from tests.server import ServerProcess
+from tests.test_metrics import parse
 
 pytestmark = pytest.mark.slow
 
 
 def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} missing from /metrics"
-    return float(m.group(1))
+    """A series of the /metrics text, summed over replicas (tests.test_metrics.parse)."""
+    series = parse(text)
+    assert name in series, f"{name} missing from /metrics"
+    return series[name]
 
 
 def _workload(seed: int) -> list[tuple[list[int], int]]:

@@ -21,7 +21,7 @@ from tests.test_eviction_e2e import _metric, _wait_idle, _workload
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["mistral_swa", "local_swa", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"]
+FAMILIES = ["mistral_swa", "local_swa", "gemma3", "gemma4", "gpt_oss", "deepseek_v3", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -68,7 +68,7 @@ def test_repeat_and_next_turn_hit_the_cache(served):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 19
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gemma4", "gpt_oss", "deepseek_v3"])
 def test_small_pool_evicts_retracts_and_matches_mlx_lm(arch, tiny_arch, tmp_path):
     assert_small_pool_evicts_retracts_and_matches(tiny_arch(arch), tmp_path / "log")
 

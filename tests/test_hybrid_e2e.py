@@ -21,7 +21,7 @@ from tests.test_families_e2e import _complete, assert_small_pool_evicts_retracts
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["qwen3_5", "qwen3_next", "nemotron_h"]
+FAMILIES = ["qwen3_5", "qwen3_next", "nemotron_h", "granite4", "falcon_h1"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -77,7 +77,7 @@ def test_shared_prefix_falls_back_to_the_deepest_snapshot(served):
     assert res["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "granite4", "falcon_h1"])
 def test_small_pool_evicts_retracts_and_matches_mlx_lm(arch, tiny_arch, tmp_path):
     """Evicted trie nodes free their snapshots too (--debug-invariants counts them)."""
     assert_small_pool_evicts_retracts_and_matches(tiny_arch(arch), tmp_path / "log")

@@ -19,7 +19,7 @@ import pytest
 from common.messages import ReleaseReq
 from tests.test_model_runner import Harness, generate, random_prompt, reference
 
-FAMILIES = ["qwen3_5", "qwen3_next", "nemotron_h"]
+FAMILIES = ["qwen3_5", "qwen3_next", "nemotron_h", "granite4", "falcon_h1"]
 STEPS = 16
 
 
@@ -62,9 +62,10 @@ def padding_works(path: str) -> bool:
 
 
 def test_the_self_check_finds_which_recurrent_layers_take_padding(tiny_arch):
-    """mlx-lm's Mamba-2 layers read a right-padded row's state at the padding; its
-    gated-delta layers honour the row lengths."""
+    """mlx-lm's Nemotron-H Mamba-2 layers read a right-padded row's state at the padding;
+    Granite 4's and Falcon-H1's (masked) and its gated-delta layers honour the row lengths."""
     assert not padding_works(tiny_arch("nemotron_h"))
+    assert padding_works(tiny_arch("granite4")) and padding_works(tiny_arch("falcon_h1"))
     assert padding_works(tiny_arch("qwen3_5")) and padding_works(tiny_arch("qwen3_next"))
 
 

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.ipc import free_ports
-from common.messages import SchedulerStats, TokenOut
+from common.messages import SchedulerReady, SchedulerStats, TokenOut
 from router.metrics import METRICS, PREFIX, Metrics, exported_series
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,12 +57,17 @@ def _key(name: str, labels: dict) -> str:
 
 
 def parse(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{label="v"}': value}."""
-    return {
-        _key(s.name, s.labels): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
+    """Prometheus text -> {'name{label="v"}': value}, plus, for the series labeled by
+    replica, their sum over replicas under the key without that label (PromQL's `sum
+    without (replica)`: the server's total; for token usage, 0 when every pool is idle)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[_key(s.name, s.labels)] = s.value
+            if "replica" in s.labels:
+                total = _key(s.name, {k: v for k, v in s.labels.items() if k != "replica"})
+                out[total] = out.get(total, 0.0) + s.value
+    return out
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -115,7 +120,13 @@ def _out(rid, ids, finish=None, prompt=10, cached=0, queue_time=0.0) -> TokenOut
 
 
 def _value(m: Metrics, name: str, **labels) -> float:
-    return m.registry.get_sample_value(PREFIX + name, labels) or 0.0
+    """The sum of the samples of `name` that have `labels` (and any others)."""
+    return sum(
+        s.value
+        for fam in m.registry.collect()
+        for s in fam.samples
+        if s.name == PREFIX + name and labels.items() <= s.labels.items()
+    )
 
 
 def test_brief_metric_names_and_types_are_registered():
@@ -168,6 +179,32 @@ def test_scheduler_stats_become_gauges_and_counter_increments():
     assert _value(m, "kv_pool_capacity_tokens") == 1024
     assert _value(m, "evicted_tokens_total") == 160
     assert _value(m, "retracted_requests_total") == 1
+
+
+def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
+    m = Metrics()
+    for replica in ("r0", "r1"):
+        m.observe_ready(SchedulerReady(1024, 16, 4096, "qwen3"), replica)
+    m.observe_stats(SchedulerStats(3, 2, 0.5, 1024, 100, 1), "r0")
+    m.observe_stats(SchedulerStats(1, 0, 0.25, 1024, 40, 0), "r1")
+    m.observe_output(_out("a", [1], prompt=10, cached=4), time.monotonic(), "r1")
+    m.observe_output(_out("a", [2], "length"), time.monotonic(), "r1")
+    assert _value(m, "num_running_requests", replica="r0") == 3
+    assert _value(m, "num_running_requests") == 4
+    assert _value(m, "kv_pool_capacity_tokens") == 2048
+    assert _value(m, "evicted_tokens_total", replica="r1") == 40
+    assert _value(m, "cached_tokens_total", replica="r1") == 4
+    assert _value(m, "cached_tokens_total", replica="r0") == 0
+    assert _value(m, "requests_total", finish_reason="length", replica="r1") == 1
+    assert _value(m, "time_to_first_token_seconds_count", replica="r1") == 1
+    m.observe_death("worker", "r0")  # nothing runs there while it restarts
+    assert _value(m, "num_running_requests") == 1
+    per_replica = {n for n in METRICS if not n.startswith(("process_", "routing_", "replica_"))}
+    assert per_replica == {name.removesuffix("_total") for name, _ in BRIEF}
+    for fam in m.registry.collect():
+        if fam.name.removeprefix(PREFIX) in per_replica:
+            assert fam.samples, fam.name
+            assert all(s.labels.get("replica") in ("r0", "r1") for s in fam.samples), fam.name
 
 
 # ---------------------------------------------------------------- deploy/ files
@@ -223,6 +260,8 @@ _PROMQL_WORDS = {
     "replica",
     "policy",
     "reason",
+    "max",
+    "instance",
 }
 
 

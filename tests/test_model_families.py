@@ -18,7 +18,7 @@ import pytest
 from common.messages import ReleaseReq
 from tests.test_model_runner import Harness, assert_parity, generate, random_prompt, reference
 
-FAMILIES = ["mistral_swa", "local_swa", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_moe"]
+FAMILIES = ["mistral_swa", "local_swa", "gemma3", "gemma4", "gpt_oss", "deepseek_v3", "qwen3_moe"]
 LONG = 70  # > 4 windows of 16
 STEPS = 24  # > a window
 
@@ -33,6 +33,8 @@ def test_each_family_probes_to_its_layer_kinds(family):
 
     layout = probe_kv_layout(Harness(family).model)
     windows = [w for w in layout.windows if w is not None]
+    # local and (twice as wide) global layers; the others' layers are alike
+    assert len(set(layout.layer_widths)) == (2 if "gemma4" in family else 0)
     if "deepseek" in family:
         assert layout.v_head_dim is not None and layout.v_head_dim != layout.head_dim
     elif "qwen3_moe" in family:

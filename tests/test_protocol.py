@@ -18,6 +18,7 @@ from common.messages import (
     SCHEDULER_FROM_WORKER,
     WORKER_INBOX,
     AbortReq,
+    CacheEvicted,
     ClientAbort,
     ClientError,
     ClientGenerate,
@@ -151,6 +152,7 @@ EXAMPLES: dict[type, list] = {
             retracted_requests=1,
         )
     ],
+    CacheEvicted: [CacheEvicted(paths=[[1, 2, 3], [7]]), CacheEvicted(paths=[])],
     WorkerHung: [WorkerHung(step=7, seconds=301.5)],
     ReplicaPing: [ReplicaPing(router="mac-1:4242")],
     ReplicaStatus: [

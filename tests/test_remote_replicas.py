@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import msgpack
 import pytest
 import zmq
@@ -43,8 +44,11 @@ from common.protocol import ProtocolError, decode, encode
 from common.server_args import ServerArgs
 from router.remote_replica import RemoteLink
 from tests.conftest import mlx_greedy
-from tests.server import RADIX_MLX, ReplicaProcess, exited
+from tests.server import RADIX_MLX, ReplicaProcess, ServerProcess, exited
+from tests.test_faults import _post_in_thread
 from tests.test_fuzz_decoders import _mutate, values
+from tests.test_metrics import PREFIX, delta, scrape, wait_for
+from tests.test_replicas_e2e import _health
 
 pytestmark = pytest.mark.slow
 POOL = ["--max-total-tokens", "4096"]
@@ -385,3 +389,108 @@ def test_bad_frames_from_a_replica_never_stop_the_router_link(tiny_model):
     frames, state = run(go())
     assert frames[0] == b"x"  # a scheduler frame: passed on for the manager to judge
     assert decode(frames[1], ROUTER_INBOX) == ready and state == "ready"
+
+
+def test_a_frame_that_arrives_while_silence_is_checked_is_still_received(tiny_model):
+    """The silence check reads the socket's EVENTS, which consumes the edge its asyncio
+    reader waits for: a frame that arrived just before it must still be received (it was
+    not, about half of the time, so a killed replica stayed ready)."""
+
+    async def go():
+        ctx = zmq.asyncio.Context()
+        fake = ctx.socket(zmq.ROUTER)
+        port = fake.bind_to_random_port("tcp://127.0.0.1")
+        link = RemoteLink(f"tcp://127.0.0.1:{port}", model_identity(tiny_model),
+                          ServerArgs(model_path="m"), ctx)  # fmt: skip
+        while not await fake.poll(50):  # dropped until connected (IMMEDIATE)
+            link.send_nowait(b"hello")
+        peer, _ = await fake.recv_multipart()
+        received = asyncio.create_task(link.recv())
+        await asyncio.sleep(0)  # the reader waits on the socket now
+        await fake.send_multipart([peer, b"x"])
+        time.sleep(0.3)  # the frame lands while the loop does not run
+        assert not link._silent(time.monotonic())  # waiting to be read: not silent
+        try:
+            return await asyncio.wait_for(received, 2)
+        finally:
+            link.close()
+            ctx.destroy(linger=0)
+
+    assert run(go()) == b"x"
+
+
+def test_the_router_serves_on_from_a_remote_replica_once_its_local_one_is_given_up(
+    keyed_replica, tiny_model, keys, tmp_path
+):
+    extra = [*POOL, "--dp-size", "1", "--max-restarts", "0", "--replica", keyed_replica.address,
+             "--curve-secret-key", f"{keys}/router.key_secret",
+             "--curve-server-key", f"{keys}/replica.key"]  # fmt: skip
+    server = ServerProcess(tiny_model, tmp_path / "server.log", extra=extra)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while _health(server.url)[1] != {"r0": "ready", "r1": "ready"}:
+            assert time.monotonic() < deadline, _health(server.url)
+            time.sleep(0.1)
+        os.kill(server.child("worker"), signal.SIGKILL)  # --max-restarts 0: r0 is given up
+        while "every local replica is given up" not in server.log():
+            assert time.monotonic() < deadline + 60 and server.proc.poll() is None, server.log()
+            time.sleep(0.1)
+        assert _health(server.url) == (200, {"r0": "down", "r1": "ready"})
+        prompt = [5, 9, 200, 17, 3, 88]
+        body = {"prompt": prompt, "max_tokens": 5, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == mlx_greedy(tiny_model, prompt, 5)
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_a_replica_its_router_routes_elsewhere_meanwhile(tiny_model, tmp_path):
+    """SIGTERM to `radix-mlx replica`: the request it runs finishes, the router sees it
+    `draining` and sends new requests to its local replica, then it exits 0 and is down."""
+    replica = ReplicaProcess(tiny_model, tmp_path / "replica.log",
+                             extra=[*POOL, "--graceful-shutdown-timeout", "120"])  # fmt: skip
+    server = ServerProcess(tiny_model, tmp_path / "server.log", extra=[
+        *POOL, "--dp-size", "1", "--replica", replica.address, "--routing-policy", "round_robin",
+    ])  # fmt: skip
+    with _stopping(replica):
+        replica.start()
+        server.start()
+        try:
+            _drain_while_serving(server, replica, tiny_model)
+        finally:
+            server.stop()
+
+
+def _drain_while_serving(server: ServerProcess, replica: ReplicaProcess, model: str) -> None:
+    deadline = time.monotonic() + 60
+    while _health(server.url)[1] != {"r0": "ready", "r1": "ready"}:
+        assert time.monotonic() < deadline, _health(server.url)
+        time.sleep(0.1)
+    body = {"prompt": [4, 8, 15, 16], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 1}).is_success
+    thread, out = _post_in_thread(server.url, body)  # round robin: the second goes to r1
+    wait_for(server.url, lambda m: m.get(PREFIX + 'num_running_requests{replica="r1"}') == 1,
+             timeout=60, what="the long request running on r1")  # fmt: skip
+    replica.proc.send_signal(signal.SIGTERM)
+    while _health(server.url)[1]["r1"] != "draining":
+        assert time.monotonic() < deadline + 60 and thread.is_alive(), _health(server.url)
+        time.sleep(0.02)
+    before = scrape(server.url)
+    short = {**body, "max_tokens": 3}
+    for _ in range(2):  # both to the local replica while r1 drains
+        r = httpx.post(server.url + "/v1/completions", json=short, timeout=60)
+        assert r.status_code == 200, r.text
+    routed = PREFIX + 'replica_requests_total{replica="%s"}'
+    after = scrape(server.url)
+    assert delta(after, before, routed % "r0") == 2 and delta(after, before, routed % "r1") == 0
+    thread.join(120)
+    r = out["response"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == mlx_greedy(model, body["prompt"], 300)
+    assert replica.proc.wait(60) == 0
+    while _health(server.url)[1]["r1"] != "down":
+        assert time.monotonic() < deadline + 120, _health(server.url)
+        time.sleep(0.1)

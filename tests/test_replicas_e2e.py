@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from router.metrics import METRICS
 from tests.conftest import mlx_greedy
 from tests.server import checked_server
 from tests.test_faults import _body, _post_in_thread, _prompts, _stopped, _stream
-from tests.test_metrics import PREFIX, scrape
+from tests.test_metrics import PREFIX, delta, parse, scrape
 from tests.test_routing import _groups
 
 pytestmark = pytest.mark.slow
@@ -101,6 +104,68 @@ def test_groups_stick_to_a_replica_and_cache_like_one_replica(
     assert abs(share - single) <= 0.05 * single, (share, single)
     assert any(len(replicas) == 2 for replicas in rr_landed.values())
     assert round_robin < 0.95 * single, (round_robin, single)
+
+
+@pytest.fixture(scope="module")
+def tiny_pools(tiny_model, tmp_path_factory):
+    """2 replicas of 512 slots each: a long generation evicts what the other prompts left."""
+    log = tmp_path_factory.mktemp("dp2-tiny") / "server.log"
+    with checked_server(tiny_model, log, ["--max-total-tokens", "512", "--dp-size", "2"]) as srv:
+        yield srv
+
+
+def _run(lo: int, n: int, rng: random.Random) -> list[int]:
+    """n tokens from [lo, lo + 80): runs from disjoint ranges share no prefix by chance."""
+    return [rng.randrange(lo, lo + 80) for _ in range(n)]
+
+
+def test_routing_follows_what_a_replica_evicted(tiny_pools):
+    """r0 caches P[:100] (and more), r1 only P[:60]; then a long generation on r0 evicts all
+    of P there. A prompt starting with P[:100] goes to r1, which still holds P[:60]: had the
+    router not been told of the eviction, r0's longer (stale) match would have won."""
+    url, rng = tiny_pools.url, random.Random(5)
+    p = _run(10, 100, rng)
+    steps = [  # (prompt, max_tokens, where cache_aware sends it and why)
+        (p + _run(90, 100, rng), 1, "r0"),  # both trees empty: the first
+        (p[:60] + _run(170, 140, rng), 1, "r1"),  # a 30% match: below the threshold
+        (p + _run(250, 60, rng), 1, "r0"),  # 63% of it on r0: a hit
+        (p[:60] + _run(330, 140, rng), 1, "r1"),  # a miss: r1's tree is the smaller
+        (_run(410, 40, rng), 420, "r0"),  # a miss to r0: 460 slots, so P goes from r0
+    ]
+    for prompt, max_tokens, expected in steps:
+        replica, _, _ = _complete(url, prompt, max_tokens)
+        assert replica == expected, (len(prompt), max_tokens)
+    replica, usage, _ = _complete(url, p + _run(90, 10, rng), 1)
+    assert replica == "r1" and usage["prompt_tokens_details"]["cached_tokens"] == 60
+
+
+def test_scheduler_side_series_carry_the_replica_label(tiny_pools):
+    """A real scrape with --dp-size 2: every scheduler-side sample is one replica's, and a
+    request counts on the replica it landed on only."""
+    router_side = ("process_", "routing_", "replica_")
+    per_replica = {PREFIX + n for n in METRICS if not n.startswith(router_side)}
+    before = scrape(tiny_pools.url)
+    prompt = _prompts(1, 41)[0]
+    replica, _, _ = _complete(tiny_pools.url, prompt, 3)
+    text = httpx.get(tiny_pools.url + "/metrics", timeout=10).text
+    after = parse(text)
+    for fam in text_string_to_metric_families(text):
+        if fam.name in per_replica:
+            assert fam.samples, fam.name
+            assert {s.labels.get("replica") for s in fam.samples} <= {"r0", "r1"}, fam.name
+    other = {"r0": "r1", "r1": "r0"}[replica]
+    for name, expected in [
+        ('prompt_tokens_total{replica="R"}', len(prompt)),
+        ('generation_tokens_total{replica="R"}', 3),
+        ('requests_total{finish_reason="length",replica="R"}', 1),
+        ('time_to_first_token_seconds_count{replica="R"}', 1),
+        ('e2e_request_latency_seconds_count{replica="R"}', 1),
+    ]:
+        key = PREFIX + name.replace('"R"', f'"{replica}"')
+        assert delta(after, before, key) == expected, key
+        assert delta(after, before, key.replace(replica, other)) == 0, key
+    assert after[PREFIX + 'kv_pool_capacity_tokens{replica="r0"}'] == 512
+    assert after[PREFIX + "kv_pool_capacity_tokens"] == 1024  # the sum: the server's pools
 
 
 def _wait_state(url: str, replica: str, states: tuple[str, ...], timeout: float = 60) -> None:

@@ -16,6 +16,8 @@ from common.messages import SchedulerReady
 from router.approx_tree import PRUNE_TO, ApproxTree
 from router.replicas import Replica, ReplicaSet
 from router.routing import CacheAware, LeastLoad, RoundRobin, make_policy
+from scheduler.memory_pool import TokenToKVPoolAllocator
+from scheduler.radix_cache import RadixCache
 
 # small alphabets, so that sequences share prefixes and edges split
 SEQS = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=12).map(tuple), max_size=30)
@@ -72,6 +74,45 @@ def test_lru_leaf_goes_first_and_a_cut_leaf_keeps_its_head():
     assert tree.match(old) == 20 and tree.match(new) == 0
     tree.clear()
     assert tree.size == 0 and tree.match(old) == 0
+
+
+def _without(seq, path):
+    """What the replica still holds of `seq` once everything starting with `path` went."""
+    return seq[: len(path) - 1] if seq[: len(path)] == path else seq
+
+
+@settings(max_examples=300, deadline=None)
+@given(SEQS, st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8).map(tuple), max_size=6),
+       st.lists(st.integers(0, 3), max_size=14).map(tuple))  # fmt: skip
+def test_removing_an_evicted_path_cuts_exactly_what_starts_with_it(seqs, paths, query):
+    tree = ApproxTree(max_tokens=10**9)
+    for s in seqs:
+        tree.insert(s)
+    held = list(seqs)
+    for path in paths:
+        tree.remove(path)
+        held = [_without(s, path) for s in held]
+        assert tree.size == sum(len(n.edge) for n in tree._nodes()) == _trie_size(held)
+    assert tree.match(query) == max((_lcp(s, query) for s in held), default=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(SEQS, st.integers(1, 60), st.lists(st.integers(0, 3), max_size=14).map(tuple))
+def test_the_scheduler_trie_s_evicted_paths_make_the_router_tree_exact(seqs, evict, query):
+    """A RadixCache that reports its evictions and an ApproxTree of the same inserts: after
+    the tree removes the reported paths, both match every query alike."""
+    allocator = TokenToKVPoolAllocator(2048)
+    cache = RadixCache(allocator, report_evictions=True)
+    tree = ApproxTree(max_tokens=10**9)
+    for s in seqs:
+        if s:  # (slots of a head already cached are not freed: the pool is big enough)
+            cache.insert(list(s), allocator.alloc(len(s)))
+        tree.insert(s)
+    cache.evict(evict)
+    for path in cache.evicted_paths:
+        tree.remove(path)
+    assert tree.match(query) == len(cache.match_prefix(query).slot_ids)
+    assert tree.size == cache.total_size()
 
 
 def _replicas(n: int, slots: int = 10_000) -> list[Replica]:
@@ -189,5 +230,7 @@ def test_dashboard_has_a_per_replica_row():
     titles = [p["title"] for p in board["panels"]]
     assert "Replicas (--dp-size)" in titles
     exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
-    assert "sum by (replica) (rate(radix_mlx_replica_cached_tokens_total" in exprs
+    assert "sum by (replica) (rate(radix_mlx_cached_tokens_total" in exprs
+    assert "sum by (replica) (radix_mlx_num_running_requests" in exprs
+    assert "sum by (replica, le) (rate(radix_mlx_time_to_first_token_seconds_bucket" in exprs
     assert "sum by (policy, reason) (rate(radix_mlx_routing_decisions_total" in exprs

@@ -89,3 +89,14 @@ def test_every_request_finishes():
         run_step(s)
     finished = {o.rid for o in s.take_outputs() if o.finish_reason is not None}
     assert finished == {f"r{i}" for i in range(6)}
+
+
+def test_evicted_paths_go_to_the_router_but_those_a_queued_prompt_caches_again():
+    s = make_scheduler()
+    kept, dropped = [5, 6, 7, 8], [9, 10, 11]
+    for seq in (kept, dropped):
+        s.kv.tree.insert(seq, s.kv.allocator.alloc(len(seq)))
+    s.on_request(GenerateReq("q", kept + [12], SamplingParams(max_new_tokens=2)))
+    assert s.kv.tree.evict(100) == 7
+    assert s.take_evicted() == [[9]]  # [5] is left out: "q" puts it back
+    assert s.take_evicted() == []  # each path is reported once

@@ -58,7 +58,8 @@ def test_group_sigterm_drains_in_flight_streams(tiny_model, tmp_path):
     server = _start(tiny_model, tmp_path, 30, group=True)
     try:
         children = [server.child("worker"), server.child("scheduler")]
-        streams = [_Stream(server, 600) for _ in range(3)]
+        # long enough to be running still when the late request comes, on a fast machine
+        streams = [_Stream(server, 2400) for _ in range(3)]
         assert all(s.first.wait(30) for s in streams)
         os.killpg(server.proc.pid, signal.SIGTERM)  # the router, the worker, the scheduler
         time.sleep(0.5)  # the children got the signal too: they must keep serving
@@ -68,7 +69,7 @@ def test_group_sigterm_drains_in_flight_streams(tiny_model, tmp_path):
         assert late.status_code == 503 and "draining" in late.json()["error"]["message"]
         for s in streams:
             s.join(60)
-            assert (len(s.ids), s.finish, s.errors) == (600, "length", [])
+            assert (len(s.ids), s.finish, s.errors) == (2400, "length", [])
         assert server.proc.wait(30) == 0
         assert exited(children)
         assert "Traceback" not in server.log()

@@ -28,21 +28,24 @@ BUILT_FILES = ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_
 PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, "
 ROUND_TRIP = "Héllo wörld — 你好，世界！ emoji 🚀 def f(x):\n\treturn x"
 
-R, K, A = "RotatingKVCache", "KVCache", "ArraysCache"
+R, K, A, L = "RotatingKVCache", "KVCache", "ArraysCache", "CacheList"
 # mlx-lm's cache per layer (what its make_cache gives): the layouts the builder promises.
 CACHE_LAYOUTS = {
     "mistral_swa": [R, R, K],
     "local_swa": [R, R],
     "gemma3": [R, R, K, R],
+    "gemma4": [R, R, R, K, R],  # 8 layers: the last 3 reuse layers 2 and 3's K/V
     "gpt_oss": [R, K],
     "deepseek_v3": [K, K],
     "qwen3_moe": [K, K],
     "qwen3_5": [A, A, A, K],
     "qwen3_next": [A, K],
+    "granite4": [A, K],
+    "falcon_h1": [L, L],  # each a Mamba-2 state and attention KV: the two run side by side
     "nemotron_h": [A, K],  # blocks M - * -: the MLP blocks have no cache
 }
 SLIDING = [arch for arch, layout in CACHE_LAYOUTS.items() if R in layout]
-HYBRID = [arch for arch, layout in CACHE_LAYOUTS.items() if A in layout]
+HYBRID = [arch for arch, layout in CACHE_LAYOUTS.items() if A in layout or L in layout]
 
 
 def greedy(model, ids: list[int], n: int = 24, cache=None) -> list[int]:
@@ -133,6 +136,26 @@ def test_deepseek_v3_caches_keys_and_values_of_different_widths(tiny_arch) -> No
     assert config["kv_lora_rank"] != config["qk_rope_head_dim"]
 
 
+def test_gemma4_shares_kv_and_widens_its_global_layers(tiny_arch) -> None:
+    """Gemma 4's KV-shared layers attend an earlier layer's K/V: dropping them from the
+    sharing (each gets its own cache) changes nothing but where the K/V come from, so
+    instead the shared layers' queries are zeroed to show they matter; the global layer
+    caches twice the local head width."""
+    path = Path(tiny_arch("gemma4"))
+    config = read_config(path)
+    model, tokenizer = load(str(path))
+    assert len(model.layers) - len(make_prompt_cache(model)) == config["num_kv_shared_layers"]
+    caches = make_prompt_cache(model)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=caches)
+    widths = [c.keys.shape[-1] for c in caches]
+    assert widths == [config["head_dim"]] * 3 + [config["global_head_dim"]] + [config["head_dim"]]
+    ids = long_prompt(tokenizer, 40)
+    before = greedy(model, ids)
+    for layer in model.layers[-config["num_kv_shared_layers"] :]:
+        layer.self_attn.q_proj.weight = mx.zeros_like(layer.self_attn.q_proj.weight)
+    assert greedy(model, ids) != before
+
+
 @pytest.mark.parametrize("arch", HYBRID)
 def test_recurrent_state_carries_the_prefix(arch, tiny_arch) -> None:
     """A prompt prefilled in two chunks decodes as in one; dropping the state between them
@@ -144,7 +167,8 @@ def test_recurrent_state_carries_the_prefix(arch, tiny_arch) -> None:
     def after_first_chunk(drop_state: bool) -> list[int]:
         caches = make_prompt_cache(model)
         model(mx.array([ids[:32]]), cache=caches)
-        for cache in caches:
+        flat = [c for cache in caches for c in getattr(cache, "caches", [cache])]
+        for cache in flat:
             if drop_state and isinstance(cache, ArraysCache):
                 cache.cache = [None] * len(cache.cache)
         return greedy(model, ids[32:], cache=caches)

@@ -104,19 +104,29 @@ def test_named_function_with_unicode_nested_arguments(oai):
     assert json.loads(call.function.arguments) == UNICODE_ARGS
 
 
-def test_tool_call_streams_as_deltas(oai):
+def streamed(oai, **kw):
+    """(the SDK's accumulated choice, the arguments deltas it got) of a streamed chat."""
+    pieces = []
+    with oai.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        return stream.get_final_completion().choices[0], pieces
+
+
+def test_tool_call_arguments_stream_as_written(oai):
+    """The call's name first, then its arguments in pieces as the model writes them, which
+    the SDK's stream accumulates into the same call as the non-streaming answer's."""
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    stream = chat(oai, messages=ASK, tools=TOOLS, tool_choice=choice, stream=True)
-    calls, finish, content = [], None, ""
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        calls += delta.tool_calls or []
-        finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and content.strip() == ""
-    (call,) = calls
-    assert call.index == 0 and call.function.name == "get_weather"
+    whole = chat(oai, messages=ASK, tools=TOOLS, tool_choice=choice).choices[0].message
+    kw = dict(model="m", temperature=0, max_tokens=240, messages=ASK, tools=TOOLS)
+    final, pieces = streamed(oai, **kw, tool_choice=choice)
+    assert final.finish_reason == "tool_calls" and not (final.message.content or "").strip()
+    (call,) = final.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert call.function.arguments == whole.tool_calls[0].function.arguments
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert len([p for p in pieces if p]) > 2 and "".join(pieces) == call.function.arguments
 
 
 def test_required_call_always_parses(oai):

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from worker_mlx.kv_codec import FloatCodec, QuantizedCodec, decode_kv, encode_kv, make_codec
 
@@ -36,10 +37,23 @@ class KVLayout:
     # how the pool stores K/V (--kv-cache-dtype); `dtype` stays the model's, which
     # attention computes in
     kv_cache_dtype: str = "auto"
+    # per KV layer, (key width, value width) where the layers differ (Gemma 4's global
+    # layers are twice as wide per head as its local ones); () when all are the above
+    layer_widths: tuple[tuple[int, int], ...] = ()
+    # per model layer, how many of the caches above it takes as one CacheList (Falcon-H1's
+    # layers run a Mamba mixer and attention side by side); () when each takes one
+    groups: tuple[int, ...] = ()
 
     @property
     def value_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def widths(self, layer: int) -> tuple[int, int]:
+        """The key and value widths of KV layer `layer`."""
+        return self.layer_widths[layer] if self.layer_widths else (self.head_dim, self.value_dim)
+
+    def all_widths(self) -> set[int]:
+        return {w for i in range(self.num_layers) for w in self.widths(i)}
 
     @property
     def codec(self) -> FloatCodec | QuantizedCodec:
@@ -52,16 +66,26 @@ class KVLayout:
         (the model's dtype) per group of 64."""
         codec = self.codec
         per_head = sum(
-            n * dtype.size for w in (self.head_dim, self.value_dim) for n, dtype in codec.widths(w)
+            n * dtype.size
+            for i in range(self.num_layers)
+            for w in self.widths(i)
+            for n, dtype in codec.widths(w)
         )
-        return self.num_layers * self.n_kv_heads * per_head
+        return self.n_kv_heads * per_head
 
     def in_model_order(self, kv: list, states: list) -> list:
         """One list of caches for the model: `kv` (one per KV layer) and `states` (one per
         recurrent layer) interleaved as the model's layers use them."""
         kv_it, state_it = iter(kv), iter(states)
         total = self.num_layers + len(self.recurrent)
-        return [next(state_it) if i in self.recurrent else next(kv_it) for i in range(total)]
+        flat = [next(state_it) if i in self.recurrent else next(kv_it) for i in range(total)]
+        if not self.groups:
+            return flat
+        grouped, start = [], 0
+        for n in self.groups:
+            grouped.append(CacheList(*flat[start : start + n]))
+            start += n
+        return grouped
 
 
 class MlxKVPool:
@@ -82,10 +106,10 @@ class MlxKVPool:
         self.parts = [
             [
                 mx.zeros((num_slots + 1, H, n), dtype)
-                for w in (layout.head_dim, layout.value_dim)
+                for w in layout.widths(layer)
                 for n, dtype in self.codec.widths(w)
             ]
-            for _ in range(layout.num_layers)
+            for layer in range(layout.num_layers)
         ]
         mx.eval(self.parts)
 

@@ -110,7 +110,7 @@ def _stored_as(path: str, layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
     """The layout with the pool's storage (--kv-cache-dtype); a quantized pool needs every
     key and value width to split into groups of 64, as mlx-lm's quantized cache does."""
     if kv_cache_dtype in QUANTIZED_BITS:
-        widths = {layout.head_dim, layout.value_dim}
+        widths = layout.all_widths()
         if any(w % GROUP_SIZE for w in widths):
             shown = "/".join(str(w) for w in sorted(widths))
             _refuse(
@@ -122,11 +122,12 @@ def _stored_as(path: str, layout: KVLayout, kv_cache_dtype: str) -> KVLayout:
 
 
 def _log_model(path: str, model_type: str, layout: KVLayout, vocab: int, context: int) -> None:
-    widths = (
-        f"head dim {layout.head_dim}"
-        if layout.v_head_dim is None
-        else f"key width {layout.head_dim}, value width {layout.v_head_dim}"
-    )
+    if layout.layer_widths:
+        widths = "key/value widths " + " ".join(f"{k}/{v}" for k, v in layout.layer_widths)
+    elif layout.v_head_dim is None:
+        widths = f"head dim {layout.head_dim}"
+    else:
+        widths = f"key width {layout.head_dim}, value width {layout.v_head_dim}"
     logger.info(
         "model %s: %s, dtype %s, %s, %d KV heads, %s, vocab %d, context %d",
         path, model_type, layout.dtype, describe_layers(layout), layout.n_kv_heads, widths,

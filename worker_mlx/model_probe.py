@@ -50,13 +50,19 @@ def split_lm_head(model: nn.Module):
 RECURRENT = "recurrent"
 
 
-def layer_kinds(model: nn.Module) -> list:
-    """Per cache of the model (its `make_cache()` order): the window an attention layer
-    attends (None: all earlier tokens), or RECURRENT."""
+def layer_kinds(model: nn.Module) -> tuple[list, tuple[int, ...]]:
+    """Per cache of the model (its `make_cache()` order, a CacheList's caches in turn):
+    the window an attention layer attends (None: all earlier tokens), or RECURRENT; and
+    the sizes of the CacheLists, when the model's caches are CacheLists."""
     if not hasattr(model, "make_cache"):
-        return [None] * len(model.layers)
+        return [None] * len(model.layers), ()
+    caches = model.make_cache()
+    groups = ()
+    if caches and all(type(c) is mlx_cache.CacheList for c in caches):
+        groups = tuple(len(c.caches) for c in caches)
+        caches = [sub for c in caches for sub in c.caches]
     kinds = []
-    for i, c in enumerate(model.make_cache()):
+    for i, c in enumerate(caches):
         if isinstance(c, mlx_cache.RotatingKVCache) and c.keep == 0:
             kinds.append(c.max_size)
         elif type(c) in (mlx_cache.KVCache, mlx_cache.ConcatenateKVCache):
@@ -65,34 +71,42 @@ def layer_kinds(model: nn.Module) -> list:
             kinds.append(RECURRENT)
         else:
             raise UnsupportedModel(f"layer {i} keeps a {type(c).__name__}, which is not served")
-    return kinds
+    return kinds, groups
 
 
 def probe_layout(model: nn.Module) -> tuple[KVLayout, StateLayout | None]:
     """Run one token through the model with recording caches: what its KV layers store
     and what its recurrent layers keep. Raise UnsupportedModel if it is not served."""
-    kinds = layer_kinds(model)
+    kinds, groups = layer_kinds(model)
     recurrent = tuple(i for i, k in enumerate(kinds) if k is RECURRENT)
     if len(recurrent) == len(kinds):
         raise UnsupportedModel("it has no attention layer (a pure recurrent model)")
     caches = [mlx_cache.ArraysCache(size=2) if k is RECURRENT else ProbeCache() for k in kinds]
+    grouped = caches
+    if groups:
+        starts = [sum(groups[:i]) for i in range(len(groups))]
+        grouped = [mlx_cache.CacheList(*caches[s : s + n]) for s, n in zip(starts, groups)]
     try:
-        mx.eval(model(mx.array([[0]]), cache=caches))
+        mx.eval(model(mx.array([[0]]), cache=grouped))
     except (AttributeError, TypeError, IndexError) as exc:
         raise UnsupportedModel(f"its layers use their caches in a way not served ({exc})") from exc
     probes = [c for c in caches if isinstance(c, ProbeCache)]
     if any(p.shape is None for p in probes):
         raise UnsupportedModel("it has attention layers that keep no keys and values")
-    shapes = {(p.shape[1], p.shape[3], p.v_dim, p.dtype) for p in probes}
+    shapes = {(p.shape[1], p.dtype) for p in probes}
     if len(shapes) != 1:
-        raise UnsupportedModel(f"its layers disagree on the key/value shape: {shapes}")
-    (n_kv_heads, head_dim, v_dim, dtype) = shapes.pop()
+        raise UnsupportedModel(f"its layers disagree on the KV heads or dtype: {shapes}")
+    (n_kv_heads, dtype) = shapes.pop()
+    widths = tuple((p.shape[3], p.v_dim) for p in probes)
+    head_dim, v_dim = widths[0]
     windows = tuple(k for k in kinds if k is not RECURRENT)
     kv = KVLayout(
         len(probes), n_kv_heads, head_dim, dtype,
         v_head_dim=None if v_dim == head_dim else v_dim,
         windows=windows if any(w is not None for w in windows) else (),
         recurrent=recurrent,
+        layer_widths=widths if len(set(widths)) > 1 else (),
+        groups=groups,
     )  # fmt: skip
     states = [caches[i] for i in recurrent]
     if not states:
