@@ -771,6 +771,22 @@ def test_seeded_sampling_is_reproducible(tiny_model):
     assert generate(Harness(tiny_model, seed=0), {"s": p}, 10, {"s": no_top_k})["s"] == alone
 
 
+def test_a_seeded_request_resumed_after_retraction_goes_on_as_before(tiny_model):
+    """A retracted request comes back as a prefill of its prompt and outputs so far
+    (`output_ids`); its next tokens are those it would have sampled without the pause."""
+    rng = random.Random(13)
+    h = Harness(tiny_model, seed=0)
+    p = random_prompt(rng, 12, h.vocab)
+    whole = generate(h, {"s": p}, 10, {"s": seeded(77)})["s"]
+    h = Harness(tiny_model, seed=0)
+    req = h.ereq("s", p + whole[:4], sampling=seeded(77, n=6))
+    req.output_ids = whole[:4]
+    h.extend([req])
+    while len(h.out["s"]) < 6:
+        h.decode()
+    assert h.out["s"] == whole[4:]
+
+
 # ---------------------------------------------------------------- 9. bad descriptors
 
 

@@ -234,7 +234,9 @@ class ModelRunner:
             raise ValueError(f"{rid}: slot id outside the pool [1, {self.pool.num_slots}]")
 
     def _new_state(self, r: ExtendReq) -> ReqState:
-        key = None if r.sampling.greedy else self.keys.request_key(r.sampling.seed)
+        key = None
+        if not r.sampling.greedy:
+            key = self.keys.request_key(r.sampling.seed, len(r.output_ids))
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
         slots = r.prefix_slot_ids + r.out_cache_loc
         state = ReqState(r.rid, slots, r.sampling, -1, key, penalty, state_slot=r.state_slot)

@@ -124,9 +124,14 @@ class KeySource:
     def __init__(self, seed: int):
         self._key = mx.random.key(seed)
 
-    def request_key(self, seed: int | None) -> mx.array:
+    def request_key(self, seed: int | None, sampled: int = 0) -> mx.array:
+        """A request's key; a seeded one past the `sampled` tokens it already has (a
+        retracted request resuming), so it goes on as it would have without the pause."""
         if seed is not None:
-            return mx.random.key(seed)
+            key = mx.random.key(seed)
+            for _ in range(sampled):
+                key, _ = self.next(key)
+            return key
         self._key, key = mx.random.split(self._key)
         return key
 
