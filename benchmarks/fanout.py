@@ -5,21 +5,19 @@ group (an all_sum of a fixed-size byte buffer that only rank 0 fills).
     python -m benchmarks.fanout [--frames 500] [--rids 8]
 
 Two rank processes on a loopback ring (started by this command with MLX_RANK and
-MLX_HOSTFILE, as mlx.launch does). ZeroMQ: rank 0 sends the encoded DecodeBatch, rank 1
-decodes it and answers one byte; the round trip is timed, so the hand-off itself costs
-at most that. Broadcast: rank 0 copies the frame into the buffer, both all_sum it,
-rank 1 decodes it; the collective is timed on rank 0. Medians are printed.
+MLX_HOSTFILE, as mlx.launch does: benchmarks.ranks.run_ranks). ZeroMQ: rank 0 sends
+the encoded DecodeBatch, rank 1 decodes it and answers one byte; the round trip is
+timed, so the hand-off itself costs at most that. Broadcast: rank 0 copies the frame
+into the buffer, both all_sum it, rank 1 decodes it; the collective is timed on rank 0.
+Medians are printed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 BUFFER = 16384  # bytes: a broadcast needs a size fixed in advance, the largest frame's
@@ -28,29 +26,11 @@ BUFFER = 16384  # bytes: a broadcast needs a size fixed in advance, the largest 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if os.environ.get("MLX_RANK") is None:
-        _launch(sys.argv[1:] if argv is None else argv)
+        from benchmarks.ranks import run_ranks
+
+        run_ranks("benchmarks.fanout", sys.argv[1:] if argv is None else argv, 2)
         return
     _run(args)
-
-
-def _launch(argv: list[str]) -> None:
-    from common.ipc import free_ports
-    from worker_mlx.distributed_plan import loopback_hostfile
-
-    with tempfile.TemporaryDirectory(prefix="radix-mlx-fanout-") as tmp:
-        hostfile = os.path.join(tmp, "hostfile.json")
-        with open(hostfile, "w") as f:
-            json.dump(loopback_hostfile(free_ports(2)), f)
-        env = dict(os.environ, MLX_HOSTFILE=hostfile, FANOUT_DIR=tmp)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.fanout", *argv], env=dict(env, MLX_RANK=str(r))
-            )  # fmt: skip
-            for r in range(2)
-        ]
-        codes = [p.wait() for p in procs]
-    if any(codes):
-        raise SystemExit(f"ranks exited with {codes}")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -62,7 +42,7 @@ def _run(args: argparse.Namespace) -> None:
     from common.protocol import decode, encode
 
     group = mx.distributed.init(backend="ring", strict=True)
-    rank, tmp = group.rank(), os.environ["FANOUT_DIR"]
+    rank, tmp = group.rank(), os.environ["RANKS_DIR"]
     ctx = zmq.Context()
     there, back = f"ipc://{tmp}/to1.sock", f"ipc://{tmp}/to0.sock"
     rids = [f"{i:032x}" for i in range(args.rids)]

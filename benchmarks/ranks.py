@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from common.ipc import free_ports
 from worker_mlx.distributed import Rank, replay_collectives
-from worker_mlx.distributed_plan import GroupSpec, loopback_hostfile
+from worker_mlx.distributed_plan import GroupSpec, write_loopback_hostfile
 
 STEPS = 50  # replays of a step's collectives per batch size
 
@@ -40,21 +40,7 @@ def launch(argv: list[str], size: int, result_file: str) -> list[dict]:
     base_argv = _without(argv, ("--tp-size", "--pp-size"))
     subprocess.run([sys.executable, "-m", "benchmarks.one_batch", *base_argv], check=True)
     baseline = _last_rows(result_file)
-    with tempfile.TemporaryDirectory(prefix="radix-mlx-bench-") as tmp:
-        hostfile = os.path.join(tmp, "hostfile.json")
-        with open(hostfile, "w") as f:
-            json.dump(loopback_hostfile(free_ports(size)), f)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.one_batch", *argv],
-                env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=hostfile),
-                stdout=None if r == 0 else subprocess.DEVNULL,
-            )
-            for r in range(size)
-        ]
-        codes = [p.wait() for p in procs]
-    if any(codes):
-        raise SystemExit(f"ranks exited with {codes}")
+    run_ranks("benchmarks.one_batch", argv, size)
     group = _last_rows(result_file)
     for base, row in zip(baseline, group):
         row["decode_latency_vs_one_process"] = ratio = (
@@ -67,6 +53,25 @@ def launch(argv: list[str], size: int, result_file: str) -> list[dict]:
             f"{row['collective_share']:.0%} of it"
         )
     return [baseline, group]
+
+
+def run_ranks(module: str, argv: list[str], size: int) -> None:
+    """`python -m module argv` as `size` ranks on a loopback ring, with the env mlx.launch
+    sets (and RANKS_DIR, a directory they share); rank 0's output only."""
+    with tempfile.TemporaryDirectory(prefix="radix-mlx-ranks-") as tmp:
+        hostfile = write_loopback_hostfile(tmp, free_ports(size))
+        env = dict(os.environ, MLX_HOSTFILE=hostfile, RANKS_DIR=tmp)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", module, *argv],
+                env=dict(env, MLX_RANK=str(r)),
+                stdout=None if r == 0 else subprocess.DEVNULL,
+            )  # fmt: skip
+            for r in range(size)
+        ]
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"ranks exited with {codes}")
 
 
 def load_rank(path: str, tp: int, pp: int):

@@ -18,7 +18,7 @@ import os
 
 from common.ipc import free_ports
 from common.server_args import ServerArgs
-from worker_mlx.distributed_plan import GroupSpec, hostfile_hosts, loopback_hostfile
+from worker_mlx.distributed_plan import GroupSpec, hostfile_hosts, write_loopback_hostfile
 
 DEFAULT_FANOUT_PORT = 31400  # with --dist-hostfile and no --dist-port
 
@@ -27,9 +27,7 @@ def local_group(args: ServerArgs, group_dir: str, transport: str) -> list[GroupS
     """Every rank's spec for a group on this machine, with a fresh hostfile."""
     n = args.group_size
     ports = list(range(args.dist_port, args.dist_port + n)) if args.dist_port else free_ports(n)
-    hostfile = os.path.join(group_dir, "hostfile.json")
-    with open(hostfile, "w") as f:
-        json.dump(loopback_hostfile(ports), f)
+    hostfile = write_loopback_hostfile(group_dir, ports)
     if transport == "ipc":
         fanout = tuple(f"ipc://{os.path.join(group_dir, f'rank{r}.sock')}" for r in range(n))
     else:

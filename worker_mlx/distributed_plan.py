@@ -97,6 +97,14 @@ def loopback_hostfile(ports: list[int]) -> list[list[str]]:
     return [[f"127.0.0.1:{p}"] for p in ports]
 
 
+def write_loopback_hostfile(directory: str, ports: list[int]) -> str:
+    """The loopback hostfile written to `directory`; its path, for MLX_HOSTFILE."""
+    path = os.path.join(directory, "hostfile.json")
+    with open(path, "w") as f:
+        json.dump(loopback_hostfile(ports), f)
+    return path
+
+
 def hostfile_hosts(hostfile: list) -> list[str]:
     """Each rank's host, from the ring's list-of-addresses form or mlx.launch's
     `{"ssh": ..., "ips": [...]}` form (its first IP, else its ssh name)."""

@@ -92,11 +92,8 @@ class ModelRunner:
         # token, so those models decode without speculation.
         layout = pool.layout
         self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
-        # A pipeline stage (--pp-size; worker_mlx.distributed_shard) sends its hidden
-        # states to the next one: every forward pass must be evaluated whole and on its
-        # own, or a rank that evaluates only its pool skips a send the next rank waits
-        # for, and two passes in one graph may run their sends in another order than
-        # the next rank runs its receives.
+        # a pipeline stage (--pp-size) evaluates every forward pass whole and alone, so
+        # its sends meet the next stage's receives (docs/architecture.md)
         self.pipeline_stage = False
 
     def kv_location(self, rid: str) -> KVLocation:
