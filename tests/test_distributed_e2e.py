@@ -165,6 +165,29 @@ def _serve_refused(model: str, *flags: str) -> list[str]:
     return [line for line in out.stderr.splitlines() if "] " in line and "router]" in line]
 
 
+def test_a_model_class_with_mlx_lms_pipeline_uses_it_and_stays_exact(tiny_arch, tmp_path):
+    """Qwen2's body has mlx-lm's pipeline(group) (rank 0 holds the last layers and the
+    body sends, receives and gathers itself): cold, cached and concurrent stay exact."""
+    model = tiny_arch("qwen2")
+    flags = ["--pp-size", "2", *EXTRA, "--watchdog-timeout", "60"]
+    with checked_server(model, tmp_path / "server.log", flags) as srv:
+        assert "(mlx-lm's pipeline)" in srv.log()
+        prompts = _prompts(6, 5)
+
+        async def run():
+            async with AsyncClient(srv.zmq_address, timeout=180) as client:
+                return await asyncio.gather(*(
+                    client.generate(input_ids=p, max_new_tokens=8, **GREEDY) for p in prompts
+                ))  # fmt: skip
+
+        for res, p in zip(asyncio.run(run()), prompts):
+            assert res.output_ids == mlx_greedy(model, p, 8)
+        with Client(srv.zmq_address, timeout=120) as client:
+            again = client.generate(input_ids=prompts[0], max_new_tokens=8, **GREEDY)
+        assert again.output_ids == mlx_greedy(model, prompts[0], 8)
+        assert again.usage.cached_tokens == len(prompts[0]) - 1
+
+
 def test_heads_that_do_not_divide_are_refused_with_one_line(tiny_model):
     lines = _serve_refused(tiny_model, "--tp-size", "3")
     errors = [line for line in lines if "do not divide" in line]

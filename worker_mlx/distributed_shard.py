@@ -1,14 +1,16 @@
 """Cut a lazily loaded mlx-lm model down to one rank's share, before its weights load.
 
 Tensor parallelism is mlx-lm's own `model.shard(group)` (its sharded linears all_sum
-the partial outputs), for the model classes that have it. Pipeline parallelism is a
-contiguous split of `model.layers` done here for any model whose body runs its layers
-in order (llama, qwen3, ...): mlx-lm's `pipeline(group)` exists for a few MoE classes
-only and orders the stages in reverse, so one split serves every class alike. A rank
-keeps only its layers (its caches and KV pool follow from `model.layers`); the first of
-them receives the hidden states from the previous rank instead of using its own
-embedding, the last sends them on, and the last stage's output is gathered to every rank
-so each applies the final norm and head and samples the same token.
+the partial outputs), for the model classes that have it. Pipeline parallelism is
+mlx-lm's own `pipeline(group)` where the model's body has it (qwen2, qwen3_moe,
+qwen3_5, deepseek, glm4_moe: rank 0 holds the last layers, and the body sends, receives
+and gathers the last stage's output itself), and for the classes without it (llama,
+qwen3, mistral, ...) the same contiguous split of `model.layers` done here, in rank
+order. Either way a rank keeps only its layers (its caches and KV pool follow from
+`model.layers`); the first of them receives the hidden states from the previous stage
+instead of using its own embedding, the last sends them on, and the last stage's output
+is gathered to every rank so each applies the final norm and head and samples the same
+token.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def shard_model(model: nn.Module, spec: GroupSpec, group) -> str:
     layers = getattr(body, "layers", None)
     if not isinstance(layers, list) or not layers:
         raise PlanError("--pp-size: the model has no list of layers to split")
+    if hasattr(body, "pipeline"):
+        body.pipeline(group)
+        first, last = body.start_idx, body.end_idx - 1
+        return f"layers {first}-{last} of {len(layers)} (mlx-lm's pipeline)"
     ranges = layer_ranges(len(layers), spec.pp)
     mine = ranges[spec.rank]
     kept = layers[mine.start : mine.stop]
