@@ -249,7 +249,9 @@ class DecodeBatch:
     lookahead: bool = False
     # Speculative decoding: per row, draft tokens to verify after its last token and the
     # fresh slots for their KV (one each); [] when no row drafts. The reply's `accepted`
-    # says how many of each row's drafts were kept.
+    # says how many of each row's drafts were kept. With a draft model in the worker
+    # (--speculative-algorithm draft) a drafting row sends only its slots and empty
+    # drafts: the worker proposes one token per slot and replies with them (`drafts`).
     drafts: list[list[int]] = field(default_factory=list)
     draft_cache_loc: list[list[int]] = field(default_factory=list)
 
@@ -276,6 +278,8 @@ class StepResult:
     # A decode step with drafts: per row, how many of its drafts were accepted; the row's
     # new tokens are those drafts followed by its next_token_ids entry.
     accepted: list[int] | None = None
+    # A step whose drafts the worker's draft model proposed: per row, those drafts.
+    drafts: list[list[int]] | None = None
 
 
 @dataclass

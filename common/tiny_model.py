@@ -297,6 +297,29 @@ def ensure_tiny_model(
     return final
 
 
+def build_draft_model(target: str | Path, out_dir: str | Path, layers: int = 1) -> Path:
+    """A draft model for speculative decoding: `target`'s first `layers` layers with its
+    own embeddings, final norm and head, and its tokenizer files. Its next token is an
+    approximation of the target's, so its drafts are accepted part of the time."""
+    src, out = Path(target), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= layers <= config["num_hidden_layers"]:
+        raise ValueError(f"a draft of {src} has 1 to {config['num_hidden_layers']} layers")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    weights = mx.load(str(src / "model.safetensors"))
+    kept = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), kept, metadata={"format": "mlx"})
+    _write_json(out / "config.json", config | {"num_hidden_layers": layers})
+    return out
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -322,12 +345,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
     p.add_argument("--loop", action="store_true", help="zero attention outputs: greedy cycles")
+    p.add_argument(
+        "--draft-of",
+        type=Path,
+        metavar="TARGET",
+        help="write a draft model of TARGET instead: its first --layers (default 1) layers",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: build one model and print where it went."""
     args = _parse_args(argv)
+    if args.draft_of is not None:
+        out = build_draft_model(args.draft_of, args.out, args.layers or 1)
+        print(f"wrote a {args.layers or 1}-layer draft of {args.draft_of} to {out}")
+        return
     dims = dict(PRESETS[args.preset])
     for key in dims:
         if getattr(args, key) is not None:

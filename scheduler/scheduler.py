@@ -29,7 +29,7 @@ from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
-from scheduler.speculation import NgramSpeculation
+from scheduler.speculation import DraftModelSpeculation, NgramSpeculation
 
 logger = logging.getLogger("scheduler")
 
@@ -70,13 +70,17 @@ class Scheduler:
         self.draft_locs: list[list[int]] = []
 
     @staticmethod
-    def _speculation(args: ServerArgs, worker: WorkerReady) -> NgramSpeculation | None:
-        if args.speculative_algorithm != "ngram":
+    def _speculation(
+        args: ServerArgs, worker: WorkerReady
+    ) -> NgramSpeculation | DraftModelSpeculation | None:
+        kinds = {"ngram": NgramSpeculation, "draft": DraftModelSpeculation}
+        kind = kinds.get(args.speculative_algorithm)
+        if kind is None:
             return None
         if not worker.verifies_drafts:
             logger.warning("this model cannot verify drafts: decoding without speculation")
             return None
-        return NgramSpeculation(args.speculative_num_draft_tokens)
+        return kind(args.speculative_num_draft_tokens)
 
     # ------------------------------------------------------------ inputs
 
@@ -219,6 +223,8 @@ class Scheduler:
         it = iter(flat)
         self.drafts = drafts
         self.draft_locs = [[next(it) for _ in d] for d in drafts]
+        if self.spec.worker_drafts:  # slots alone: the worker's draft model fills them
+            return [[] for _ in drafts], self.draft_locs
         return self.drafts, self.draft_locs
 
     def _retract_one(self) -> None:
@@ -272,7 +278,8 @@ class Scheduler:
         before = [len(r.output_ids) for r in batch]
         for i, req in enumerate(batch):
             if drafts and drafts[i]:
-                self._take_drafted(req, result, i, drafts[i], locs[i])
+                proposed = result.drafts[i] if result.drafts is not None else drafts[i]
+                self._take_drafted(req, result, i, proposed, locs[i])
             else:
                 self._append_token(req, result, i, joined=False)
             if self.spec is not None:

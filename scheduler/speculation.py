@@ -100,6 +100,8 @@ class DraftState:
 class NgramSpeculation:
     """Drafts for a decode step's rows, and what the worker kept of them."""
 
+    worker_drafts = False  # the drafts are the tokens proposed here
+
     def __init__(self, num_draft_tokens: int):
         self.k = num_draft_tokens
         self.rows: dict[str, DraftState] = {}
@@ -138,6 +140,73 @@ class NgramSpeculation:
     def active(self, reqs: list[Req]) -> bool:
         """Whether any of `reqs` may draft at its next step."""
         return any((state := self.rows.get(r.rid)) is not None and state.drafting for r in reqs)
+
+    def forget(self, rid: str) -> None:
+        self.rows.pop(rid, None)
+
+
+PAUSE_STEPS = 16  # decode steps a draft-model row whose drafts fail sits out
+
+
+@dataclass
+class DraftModelRow:
+    """A row's acceptance under --speculative-algorithm draft, judged as an n-gram row's."""
+
+    pause: int = 0  # steps left before it drafts again (0: it drafts)
+    drafted: int = 0
+    kept: int = 0
+    steps: int = 0
+
+    def observe(self, drafted: int, kept: int) -> None:
+        if not drafted:
+            self.pause = max(self.pause - 1, 0)
+            return
+        self.drafted += drafted
+        self.kept += kept
+        self.steps += 1
+        if self.steps < WINDOW:
+            return
+        if self.kept < LOW_ACCEPTANCE * self.drafted:
+            self.pause = PAUSE_STEPS
+        self.drafted = self.kept = self.steps = 0
+
+
+class DraftModelSpeculation:
+    """--speculative-algorithm draft: the worker's draft model proposes the tokens, so
+    here a row only gets K fresh slots (fewer near its end), which is all the scheduler
+    must decide before the step; the reply brings the drafts and how many were kept, and
+    the rest (accepted slots kept, rejected ones freed, finishing inside a run) is the
+    n-gram path's. The draft model sees every token anyway, so there is no shadow mode:
+    a row whose drafts keep failing pauses for PAUSE_STEPS steps and tries again (its
+    text may have turned predictable)."""
+
+    worker_drafts = True
+
+    def __init__(self, num_draft_tokens: int):
+        self.k = num_draft_tokens
+        self.rows: dict[str, DraftModelRow] = {}
+
+    def drafts(self, reqs: list[Req], context_len: int) -> list[list[int]]:
+        """Per request, placeholders for the drafts it asks the worker for ([]: none)."""
+        out = []
+        for req in reqs:
+            row = self.rows.setdefault(req.rid, DraftModelRow())
+            room = min(req.remaining_new_tokens - 1, context_len - len(req.fill_ids) - 1)
+            n = min(self.k, room) if NgramSpeculation.eligible(req) and not row.pause else 0
+            out.append([0] * max(n, 0))
+        return out
+
+    def observe(self, req: Req, drafted: int, kept: int, first: int) -> None:
+        row = self.rows.get(req.rid)
+        if row is not None:
+            row.observe(drafted, kept)
+
+    def active(self, reqs: list[Req]) -> bool:
+        """Whether any of `reqs` may draft at its next step."""
+        return any(
+            NgramSpeculation.eligible(r) and self.rows.get(r.rid, DraftModelRow()).pause <= 1
+            for r in reqs
+        )
 
     def forget(self, rid: str) -> None:
         self.rows.pop(rid, None)

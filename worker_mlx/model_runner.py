@@ -7,6 +7,7 @@ moment is `kv_location`. Descriptors are checked against the pool bounds, not tr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -46,6 +47,7 @@ class StepOutput:
     top_logprobs: list[list] | None = None
     prompt_logprobs: list | None = None
     accepted: list[int] | None = None  # drafts kept per row, after a verify step
+    drafts: list[list[int]] | None = None  # the draft model's proposals, when it made them
 
 
 @dataclass
@@ -92,6 +94,7 @@ class ModelRunner:
         # token, so those models decode without speculation.
         layout = pool.layout
         self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
+        self.drafter = None  # the DraftModel of --speculative-algorithm draft (the loader's)
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -106,6 +109,8 @@ class ModelRunner:
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
         out = self._extend(batch)
+        if self.drafter is not None:
+            self.drafter.extend(batch)
         if any(r.sampling.prompt_logprobs and r.last_chunk for r in batch.reqs):
             out.prompt_logprobs = prompt_logprobs(self.body, self.head, batch.reqs, out.rids)
         return out
@@ -243,15 +248,22 @@ class ModelRunner:
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
         self._check_slots("decode", batch.out_cache_loc)
-        drafting = any(batch.drafts)
+        worker_drafts = self.drafter is not None
+        drafting = any(batch.draft_cache_loc if worker_drafts else batch.drafts)
         if drafting:
-            check_drafts(batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts)
+            check_drafts(
+                batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts, worker_drafts
+            )
         ahead = self.lookahead.take_step(batch)
         self.release(batch.release, keep_buffer=False)  # the decode below changes it
         unknown = [rid for rid in batch.rids if rid not in self.reqs]
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         states = [self.reqs[rid] for rid in batch.rids]
+        if worker_drafts:
+            out = self._draft_model_step(batch, states, drafting)
+            if out is not None:
+                return out
         if drafting:
             return StepOutput(**verify_step(self, batch, states))
         if ahead is not None:
@@ -270,6 +282,21 @@ class ModelRunner:
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
+
+    def _draft_model_step(
+        self, batch: DecodeBatch, states: list[ReqState], drafting: bool
+    ) -> StepOutput | None:
+        """With a draft model: it proposes the drafting rows' tokens and the step verifies
+        them; without drafts this step, the draft computes the input tokens (None: the
+        target's step is a plain one)."""
+        tokens = [s.last_token for s in states]
+        if not drafting:
+            self.drafter.follow(batch, tokens)
+            return None
+        batch = dataclasses.replace(batch, drafts=self.drafter.propose(batch, tokens))
+        out = verify_step(self, batch, states)
+        self.drafter.commit(batch, out["accepted"])
+        return StepOutput(**out, drafts=batch.drafts)
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         buffer = self.buffer_for(rids, states)
@@ -370,6 +397,8 @@ class ModelRunner:
         same prompt again (see Lookahead)."""
         if not release:
             return
+        if self.drafter is not None:
+            self.drafter.release(release, keep_buffer)
         self.lookahead.invalidate()
         self.flush(skip={r.rid for r in release if not r.flush})
         self._final_snapshots(release)

@@ -1,0 +1,137 @@
+"""Speculative decoding with a draft model (`--speculative-algorithm draft`) in the worker.
+
+The in-test scheduler (tests/test_model_runner.py's Harness) gives drafting rows fresh
+slots and no tokens; the worker's draft model proposes them. The draft is the tiny
+target's first layer (common.tiny_model.build_draft_model), whose drafts the target
+accepts part of the time, or the whole target (every draft accepted: the K-th draft's KV
+must still reach the draft pool). Rejected slots go straight back to the allocator and
+are reused at once. Greedy output must stay mlx-lm's, the target pool must hold exactly
+the accepted tokens' KV, and the draft pool the draft model's KV of the same tokens at
+the same slots, for prefixes shared through the cache too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+import pytest
+
+from common.messages import DecodeBatch, ReleaseReq, SamplingParams
+from tests.conftest import load_model
+from tests.test_model_runner import Harness, greedy, random_prompt, reference, vocab_size
+
+
+@pytest.fixture(scope="module")
+def one_layer_draft(tiny_model, tmp_path_factory) -> str:
+    from common.tiny_model import build_draft_model
+
+    return str(build_draft_model(tiny_model, tmp_path_factory.mktemp("draft"), layers=1))
+
+
+@dataclasses.dataclass
+class DraftView:
+    """The draft's pool seen as a Harness, for `assert_pool_holds`."""
+
+    h: Harness
+    model: object
+    pool: object
+
+    def prefix(self, rid: str):
+        return self.h.prefix(rid)
+
+
+def harness_with_draft(target: str, draft: str, seed: int = 0) -> tuple[Harness, DraftView]:
+    from worker_mlx.draft_model import DraftModel
+    from worker_mlx.kv_pool import MlxKVPool
+    from worker_mlx.model_probe import probe_kv_layout
+    from worker_mlx.model_runner import ModelRunner
+
+    h = Harness(target, seed=seed)
+    model, _ = load_model(draft)
+    pool = MlxKVPool(probe_kv_layout(model), h.pool.num_slots)
+    h.runner.drafter = DraftModel(ModelRunner(model, pool, h.vocab, compile_decode=True))
+    return h, DraftView(h, model, pool)
+
+
+def draft_decode(h: Harness, k: dict[str, int]) -> list[int]:
+    """One decode step of every running request, `k[rid]` drafts each; returns the
+    accepted counts."""
+    rids = list(h.running)
+    locs = h.alloc.alloc(len(rids))
+    dl = [h.alloc.alloc(k.get(rid, 0)) for rid in rids]
+    h.step += 1
+    batch = DecodeBatch(h.step, rids, locs, drafts=[[] for _ in rids], draft_cache_loc=dl)
+    res = h.runner.decode(batch)
+    assert res.rids == rids and (res.drafts is not None) == any(dl)
+    accepted = res.accepted or [0] * len(rids)
+    for i, rid in enumerate(rids):
+        d, a = (res.drafts[i] if res.drafts else []), accepted[i]
+        assert len(d) == len(dl[i]) and 0 <= a <= len(d)
+        h.slots[rid] += [locs[i]] + dl[i][:a]
+        h.tokens[rid] += [h.out[rid][-1]] + d[:a]
+        h.out[rid] += d[:a] + [res.next_token_ids[i]]
+        h.alloc.free(dl[i][a:][::-1])
+    return accepted
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["first-layer", "target-as-draft"])
+def test_draft_model_steps_match_mlx_lm(tiny_model, one_layer_draft, whole):
+    h, view = harness_with_draft(tiny_model, tiny_model if whole else one_layer_draft)
+    rng = random.Random(4)
+    prompts = {f"r{i}": random_prompt(rng, rng.randint(1, 40), h.vocab) for i in range(3)}
+    want = {rid: reference(h.path, p, 40) for rid, p in prompts.items()}
+    h.extend([h.ereq(rid, p, sampling=greedy(64)) for rid, p in prompts.items()])
+    accepted = drafted = 0
+    for step in range(14):
+        if step == 4:  # a turn on r0's output so far: a prefix hit on generated tokens
+            n = len(h.slots["r0"])
+            h.runner.flush()
+            tail = random_prompt(rng, 5, h.vocab)
+            prompts["hit"] = h.tokens["r0"] + tail
+            want["hit"] = reference(h.path, prompts["hit"], 40)
+            h.extend([h.ereq("hit", tail, prefix=h.prefix("r0", n), sampling=greedy(64))])
+        k = {rid: rng.choice([0, 1, 3, 5]) for rid in h.running} if step % 5 != 4 else {}
+        drafted += sum(k.values())
+        accepted += sum(draft_decode(h, k))
+    assert 0 < accepted <= drafted
+    if whole:
+        assert accepted == drafted  # the target agrees with itself
+    h.release([ReleaseReq(rid, flush=True) for rid in prompts])
+    for rid in prompts:
+        n = min(len(h.out[rid]), 40)
+        assert h.out[rid][:n] == want[rid][:n], rid
+        h.assert_pool_holds(rid)
+        Harness.assert_pool_holds(view, rid)  # the draft's KV of the same tokens
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible(tiny_model, one_layer_draft):
+    outs = []
+    for _ in range(2):
+        h, _ = harness_with_draft(tiny_model, one_layer_draft, seed=11)
+        prompt = random_prompt(random.Random(9), 12, h.vocab)
+        h.extend([h.ereq("s", prompt, sampling=SamplingParams(temperature=0.3, seed=42))])
+        for _ in range(10):
+            draft_decode(h, {"s": 3})
+        outs.append(h.out["s"])
+    assert outs[0] == outs[1] and len(outs[0]) > 10
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path, caplog):
+    from common.server_args import ServerArgs
+    from common.tiny_model import build_tiny_model
+    from worker_mlx.backends import select
+    from worker_mlx.loader import _load_draft
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=300)
+    _, tokenizer = load_model(tiny_model)
+    args = ServerArgs(
+        model_path=tiny_model,
+        speculative_algorithm="draft",
+        speculative_draft_model_path=str(other),
+    )
+    with caplog.at_level(logging.ERROR, logger="worker"), pytest.raises(SystemExit):
+        _load_draft(args, select(), tokenizer, vocab_size(tiny_model))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "needs the target's vocabulary" in line and str(other) in line
