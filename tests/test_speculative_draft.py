@@ -12,14 +12,17 @@ the same slots, for prefixes shared through the cache too.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import random
+import re
 
+import httpx
 import pytest
 
 from common.messages import DecodeBatch, ReleaseReq, SamplingParams
-from tests.conftest import load_model
+from tests.conftest import load_model, mlx_greedy
 from tests.test_model_runner import Harness, greedy, random_prompt, reference, vocab_size
 
 
@@ -135,3 +138,66 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path, ca
         _load_draft(args, select(), tokenizer, vocab_size(tiny_model))
     (line,) = [r.getMessage() for r in caplog.records]
     assert "needs the target's vocabulary" in line and str(other) in line
+
+
+# ---------------------------------------------------------------- through a real server
+
+
+@pytest.fixture(scope="module")
+def draft_server(tiny_model, one_layer_draft, tmp_path_factory):
+    from tests.server import ServerProcess
+
+    log = tmp_path_factory.mktemp("draft-spec") / "server.log"
+    server = ServerProcess(
+        tiny_model,
+        log,
+        extra=[
+            "--speculative-algorithm", "draft", "--speculative-draft-model-path",
+            one_layer_draft, "--speculative-num-draft-tokens", "4", "--max-total-tokens",
+            "400", "--debug-invariants", "--decode-log-interval", "5",
+        ],
+    )  # fmt: skip
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_batched_draft_speculation_matches_mlx_lm(draft_server, tiny_model):
+    """Ten requests at once in a pool of 400 tokens (it evicts, and may retract), some
+    sharing a prefix; then a conversation whose turns hit the cache."""
+    from tests.test_speculative_e2e import _complete, _mixed_load
+
+    load = _mixed_load(1)
+    with concurrent.futures.ThreadPoolExecutor(len(load)) as pool:
+        results = list(pool.map(lambda item: _complete(draft_server.url, {
+            "prompt": item[0], "max_tokens": item[1]}), load))  # fmt: skip
+    for (prompt, n), res in zip(load, results):
+        assert "choices" in res, res
+        assert res["choices"][0]["token_ids"] == mlx_greedy(tiny_model, prompt, n)
+    rng = random.Random(7)
+    history = random_prompt(rng, 20, 500)
+    for _ in range(3):
+        res = _complete(draft_server.url, {"prompt": history, "max_tokens": 25})
+        out = res["choices"][0]["token_ids"]
+        assert out == mlx_greedy(tiny_model, history, 25)
+        history = history + out + random_prompt(rng, 3, 500)
+    assert res["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    log = draft_server.log()
+    assert "Traceback" not in log and "two owners" not in log and "slots lost" not in log
+    accept = [float(x) for x in re.findall(r"accept len: ([0-9.]+)", log)]
+    assert accept and max(accept) > 1.0, accept  # drafts were accepted, not just sent
+    metrics = httpx.get(draft_server.url + "/metrics", timeout=30).text
+    evicted = re.search(r"^radix_mlx_evicted_tokens_total (\S+)", metrics, re.M)
+    assert evicted and float(evicted.group(1)) > 0
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_draft_speculation_is_reproducible(draft_server):
+    from tests.test_speculative_e2e import _complete
+
+    body = {"prompt": [21, 22, 23, 24, 25] * 5, "max_tokens": 30, "temperature": 0.7, "seed": 5}
+    first = _complete(draft_server.url, body)["choices"][0]["token_ids"]
+    again = _complete(draft_server.url, body)["choices"][0]["token_ids"]
+    assert first == again and len(first) == 30
+    assert _complete(draft_server.url, body | {"seed": 6})["choices"][0]["token_ids"] != first
