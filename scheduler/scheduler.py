@@ -278,7 +278,7 @@ class Scheduler:
         before = [len(r.output_ids) for r in batch]
         for i, req in enumerate(batch):
             if drafts and drafts[i]:
-                proposed = result.drafts[i] if result.drafts is not None else drafts[i]
+                proposed = self._proposed(result, i, drafts[i])
                 self._take_drafted(req, result, i, proposed, locs[i])
             else:
                 self._append_token(req, result, i, joined=False)
@@ -313,6 +313,13 @@ class Scheduler:
             self.running.remove(req)
         self._release(req, keep=True)
         self._finish(req, req.finish_reason)
+
+    def _proposed(self, result: StepResult, row: int, sent: list[int]) -> list[int]:
+        """The drafts a row verified: those sent, or the worker's draft model's (none if a
+        reply lacks them: then every draft slot is freed)."""
+        if not self.spec.worker_drafts:
+            return sent
+        return result.drafts[row] if result.drafts is not None else []
 
     def _take_drafted(
         self, req: Req, result: StepResult, row: int, draft: list[int], locs: list[int]
