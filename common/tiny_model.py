@@ -203,8 +203,14 @@ def build_tiny_model(
     seed: int = 0,
     bos: bool = False,
     loop: bool = False,
+    silent_from: int | None = None,
 ) -> Path:
     """Write a complete model directory (weights, config, tokenizer) to ``out_dir``.
+
+    With ``silent_from`` N the layers from N on have zero output projections (attention
+    and MLP): they compute as any layer but add nothing, so ``build_draft_model(out,
+    layers=N)`` is a draft whose greedy tokens are exactly the target's (a draft that
+    always agrees, for speculative decoding's benchmarks; random weights give no other).
 
     With ``loop`` the attention layers' output projections are zero: the next token then
     depends on the last one only, so greedy output soon cycles (a model whose outputs
@@ -248,6 +254,8 @@ def build_tiny_model(
         weights = {
             k: mx.zeros_like(v) if k.endswith("o_proj.weight") else v for k, v in weights.items()
         }
+    if silent_from is not None:
+        weights = {k: _silenced(k, v, silent_from) for k, v in weights.items()}
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight", None)  # classes that always make one (Gemma) then tie
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -295,6 +303,13 @@ def ensure_tiny_model(
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)
     return final
+
+
+def _silenced(name: str, weight: mx.array, first: int) -> mx.array:
+    """Zero for a layer output projection of a layer from `first` on."""
+    parts = name.split(".")
+    silent = name.endswith(("o_proj.weight", "down_proj.weight")) and parts[1] == "layers"
+    return mx.zeros_like(weight) if silent and int(parts[2]) >= first else weight
 
 
 def build_draft_model(target: str | Path, out_dir: str | Path, layers: int = 1) -> Path:
@@ -346,6 +361,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
     p.add_argument("--loop", action="store_true", help="zero attention outputs: greedy cycles")
     p.add_argument(
+        "--silent-from",
+        type=int,
+        metavar="N",
+        help="zero the output projections of layers N.. (a --draft-of with N layers agrees)",
+    )
+    p.add_argument(
         "--draft-of",
         type=Path,
         metavar="TARGET",
@@ -376,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         bos=args.bos,
         loop=args.loop,
+        silent_from=args.silent_from,
         **dims,
     )
     print(f"wrote {args.preset} {args.arch} model to {out}")
