@@ -155,6 +155,7 @@ def draft_server(tiny_model, one_layer_draft, tmp_path_factory):
             "--speculative-algorithm", "draft", "--speculative-draft-model-path",
             one_layer_draft, "--speculative-num-draft-tokens", "4", "--max-total-tokens",
             "400", "--debug-invariants", "--decode-log-interval", "5",
+            "--chunked-prefill-size", "32",
         ],
     )  # fmt: skip
     server.start()
@@ -165,7 +166,8 @@ def draft_server(tiny_model, one_layer_draft, tmp_path_factory):
 @pytest.mark.slow
 def test_batched_draft_speculation_matches_mlx_lm(draft_server, tiny_model):
     """Ten requests at once in a pool of 400 tokens (it evicts, and may retract), some
-    sharing a prefix; then a conversation whose turns hit the cache."""
+    sharing a prefix, prompts prefilled in chunks of 32; then a conversation whose turns
+    hit the cache."""
     from tests.test_speculative_e2e import _complete, _mixed_load
 
     load = _mixed_load(1)
