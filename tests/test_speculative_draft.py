@@ -203,3 +203,26 @@ def test_seeded_sampling_with_draft_speculation_is_reproducible(draft_server):
     again = _complete(draft_server.url, body)["choices"][0]["token_ids"]
     assert first == again and len(first) == 30
     assert _complete(draft_server.url, body | {"seed": 6})["choices"][0]["token_ids"] != first
+
+
+def test_bad_draft_descriptors_get_a_clear_error_and_the_requests_go_on(
+    tiny_model, one_layer_draft
+):
+    h, view = harness_with_draft(tiny_model, one_layer_draft)
+    prompt = random_prompt(random.Random(2), 10, h.vocab)
+    want = reference(h.path, prompt, 12)
+    h.extend([h.ereq("a", prompt, sampling=greedy(64))])
+    cases = [
+        ([[5]], [h.alloc.alloc(1)], "send slots, no tokens"),
+        ([[]], [h.alloc.alloc(17)], "at most 16"),
+        ([[]], [[h.pool.num_slots + 1]], "outside the pool"),
+    ]
+    for drafts, locs, message in cases:
+        batch = DecodeBatch(99, ["a"], h.alloc.alloc(1), drafts=drafts, draft_cache_loc=locs)
+        with pytest.raises(ValueError, match=message):
+            h.runner.decode(batch)
+    for _ in range(4):
+        draft_decode(h, {"a": 3})
+    assert h.out["a"] == want[: len(h.out["a"])]
+    h.release([ReleaseReq("a", flush=True)])
+    Harness.assert_pool_holds(view, "a")

@@ -20,6 +20,8 @@ import mlx.core as mx
 from common.messages import DecodeBatch, SamplingParams
 from worker_mlx.sampler import NEG_INF, filter_logits
 
+MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
+
 if TYPE_CHECKING:
     from worker_mlx.model_runner import ModelRunner, ReqState
 
@@ -154,6 +156,8 @@ def check_drafts(
     if len(batch.drafts) != n or len(batch.draft_cache_loc) != n:
         raise ValueError(f"{n} requests but {len(batch.drafts)} draft lists")
     for d, locs in zip(batch.drafts, batch.draft_cache_loc):
+        if len(locs) > MAX_DRAFTS:
+            raise ValueError(f"{len(locs)} draft slots in a row: at most {MAX_DRAFTS}")
         if worker_drafts and d:
             raise ValueError("this worker drafts with its draft model: send slots, no tokens")
         if not worker_drafts and len(d) != len(locs):
