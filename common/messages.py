@@ -278,7 +278,9 @@ class StepResult:
     # A decode step with drafts: per row, how many of its drafts were accepted; the row's
     # new tokens are those drafts followed by its next_token_ids entry.
     accepted: list[int] | None = None
-    # A step whose drafts the worker's draft model proposed: per row, those drafts.
+    # With a draft model in the worker, per row: the drafts it proposed for a row with
+    # draft slots, else its guess of the token this step produced (one; the row's shadow
+    # proposal).
     drafts: list[list[int]] | None = None
 
 

@@ -285,7 +285,8 @@ class Scheduler:
             if self.spec is not None:
                 drafted = len(drafts[i]) if drafts else 0
                 kept = result.accepted[i] if drafted and result.accepted else 0
-                self.spec.observe(req, drafted, kept, req.output_ids[before[i]])
+                guess = result.drafts[i] if result.drafts is not None else None
+                self.spec.observe(req, drafted, kept, req.output_ids[before[i]], guess)
         self.decode_tokens += sum(len(r.output_ids) for r in batch) - sum(before)
         self.decode_rows += len(batch)
         self.decode_steps += 1

@@ -68,11 +68,11 @@ class NgramIndex:
 
 
 @dataclass
-class DraftState:
-    """One request's speculation: its history index and whether its drafts pay."""
+class Adaptive:
+    """Whether a row's drafts pay: in shadow (its proposal is compared with the token
+    the model produced, not sent) until SHADOW_HITS hits in a row, then drafting until
+    it keeps under LOW_ACCEPTANCE of its draft tokens over WINDOW steps."""
 
-    index: NgramIndex
-    seen: int = 0  # tokens of the request's fill indexed so far
     drafting: bool = False
     shadow: int | None = None  # the first token a shadow row would have drafted
     hits: int = 0  # shadow hits in a row
@@ -95,6 +95,14 @@ class DraftState:
         if self.kept < LOW_ACCEPTANCE * self.drafted:
             self.drafting, self.hits = False, 0
         self.drafted = self.kept = self.steps = 0
+
+
+@dataclass
+class DraftState(Adaptive):
+    """One request's n-gram speculation: its history index, and whether its drafts pay."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    seen: int = 0  # tokens of the request's fill indexed so far
 
 
 class NgramSpeculation:
@@ -121,7 +129,7 @@ class NgramSpeculation:
             return []
         state = self.rows.get(req.rid)
         if state is None:
-            state = self.rows[req.rid] = DraftState(NgramIndex())
+            state = self.rows[req.rid] = DraftState()
         fill = req.fill_ids
         state.index.extend(fill[state.seen :])
         state.seen = len(fill)
@@ -132,7 +140,9 @@ class NgramSpeculation:
         state.shadow = draft[0] if draft else None
         return []
 
-    def observe(self, req: Req, drafted: int, kept: int, first: int) -> None:
+    def observe(
+        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+    ) -> None:
         state = self.rows.get(req.rid)
         if state is not None:
             state.observe(drafted, kept, first)
@@ -145,68 +155,45 @@ class NgramSpeculation:
         self.rows.pop(rid, None)
 
 
-PAUSE_STEPS = 16  # decode steps a draft-model row whose drafts fail sits out
-
-
-@dataclass
-class DraftModelRow:
-    """A row's acceptance under --speculative-algorithm draft, judged as an n-gram row's."""
-
-    pause: int = 0  # steps left before it drafts again (0: it drafts)
-    drafted: int = 0
-    kept: int = 0
-    steps: int = 0
-
-    def observe(self, drafted: int, kept: int) -> None:
-        if not drafted:
-            self.pause = max(self.pause - 1, 0)
-            return
-        self.drafted += drafted
-        self.kept += kept
-        self.steps += 1
-        if self.steps < WINDOW:
-            return
-        if self.kept < LOW_ACCEPTANCE * self.drafted:
-            self.pause = PAUSE_STEPS
-        self.drafted = self.kept = self.steps = 0
-
-
 class DraftModelSpeculation:
     """--speculative-algorithm draft: the worker's draft model proposes the tokens, so
     here a row only gets K fresh slots (fewer near its end), which is all the scheduler
     must decide before the step; the reply brings the drafts and how many were kept, and
     the rest (accepted slots kept, rejected ones freed, finishing inside a run) is the
-    n-gram path's. The draft model sees every token anyway, so there is no shadow mode:
-    a row whose drafts keep failing pauses for PAUSE_STEPS steps and tries again (its
-    text may have turned predictable)."""
+    n-gram path's. Adaptive as n-gram rows are: the draft computes every row's tokens
+    anyway, and for a row without draft slots the reply carries the draft's guess of the
+    token the step produced: its shadow proposal."""
 
     worker_drafts = True
 
     def __init__(self, num_draft_tokens: int):
         self.k = num_draft_tokens
-        self.rows: dict[str, DraftModelRow] = {}
+        self.rows: dict[str, Adaptive] = {}
 
     def drafts(self, reqs: list[Req], context_len: int) -> list[list[int]]:
         """Per request, placeholders for the drafts it asks the worker for ([]: none)."""
         out = []
         for req in reqs:
-            row = self.rows.setdefault(req.rid, DraftModelRow())
+            row = self.rows.setdefault(req.rid, Adaptive())
             room = min(req.remaining_new_tokens - 1, context_len - len(req.fill_ids) - 1)
-            n = min(self.k, room) if NgramSpeculation.eligible(req) and not row.pause else 0
+            n = min(self.k, room) if NgramSpeculation.eligible(req) and row.drafting else 0
             out.append([0] * max(n, 0))
         return out
 
-    def observe(self, req: Req, drafted: int, kept: int, first: int) -> None:
+    def observe(
+        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+    ) -> None:
+        """As NgramSpeculation's; `guess` is what the reply says the draft proposed."""
         row = self.rows.get(req.rid)
-        if row is not None:
-            row.observe(drafted, kept)
+        if row is None:
+            return
+        if not drafted:
+            row.shadow = guess[0] if guess else None
+        row.observe(drafted, kept, first)
 
     def active(self, reqs: list[Req]) -> bool:
         """Whether any of `reqs` may draft at its next step."""
-        return any(
-            NgramSpeculation.eligible(r) and self.rows.get(r.rid, DraftModelRow()).pause <= 1
-            for r in reqs
-        )
+        return any((row := self.rows.get(r.rid)) is not None and row.drafting for r in reqs)
 
     def forget(self, rid: str) -> None:
         self.rows.pop(rid, None)

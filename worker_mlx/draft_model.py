@@ -51,17 +51,22 @@ class DraftModel:
     def release(self, release: list[ReleaseReq], keep_buffer: bool) -> None:
         self.runner.release(release, keep_buffer)
 
-    def follow(self, batch: DecodeBatch, tokens: list[int]) -> None:
-        """A step without drafts: the draft computes the rows' input `tokens` too."""
+    def follow(self, batch: DecodeBatch, tokens: list[int]) -> mx.array:
+        """A step without drafts: the draft computes the rows' input `tokens` too, and
+        its guess of each row's next token (the rows' shadow proposals) is returned, to
+        be read once the target's step is."""
         states, buffer = self._buffer(batch.rids)
-        buffer.step(self.runner.decode_step, self._by_row(buffer.rids, batch.rids, tokens))
-        mx.async_eval(buffer.arrays())
+        logits = buffer.step(self.runner.decode_step, self._by_row(buffer.rids, batch.rids, tokens))
+        guesses = mx.argmax(logits, axis=-1)[mx.array(buffer.rows(batch.rids))]
+        mx.async_eval(guesses, buffer.arrays())
         for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
+        return guesses
 
     def propose(self, batch: DecodeBatch, tokens: list[int]) -> list[list[int]]:
         """Each row's drafts, as many as its `draft_cache_loc` has slots, after its input
-        token `tokens[i]`; their KV (all K + 1 columns) goes to the draft pool."""
+        token `tokens[i]` (a row without slots: the first, its guess); their KV (all
+        K + 1 columns) goes to the draft pool."""
         runner = self.runner
         states, buffer = self._buffer(batch.rids)
         runner.flush()  # the step's columns are then the only unflushed ones
@@ -81,7 +86,7 @@ class DraftModel:
         mx.async_eval(buffer.arrays(), runner.pool.arrays())
         for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
-        return [row[: len(locs)] for row, locs in zip(table, batch.draft_cache_loc)]
+        return [row[: len(locs) or 1] for row, locs in zip(table, batch.draft_cache_loc)]
 
     def commit(self, batch: DecodeBatch, accepted: list[int]) -> None:
         """After the target's verify: the draft keeps the columns of the accepted drafts."""

@@ -260,10 +260,11 @@ class ModelRunner:
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         states = [self.reqs[rid] for rid in batch.rids]
-        if worker_drafts:
-            out = self._draft_model_step(batch, states, drafting)
-            if out is not None:
-                return out
+        guesses = None
+        if worker_drafts and drafting:
+            return self._draft_model_step(batch, states)
+        if worker_drafts:  # the draft computes the step's tokens too, and guesses
+            guesses = self.drafter.follow(batch, [s.last_token for s in states])
         if drafting:
             return StepOutput(**verify_step(self, batch, states))
         if ahead is not None:
@@ -276,6 +277,8 @@ class ModelRunner:
             out = self._decode_solo(states, batch.out_cache_loc)
         for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
+        if guesses is not None:
+            out.drafts = [[g] for g in guesses.tolist()]
         can_look = self.batched and all(
             s.sampling.greedy and s.penalty is None and not s.sampling.logprobs and not s.grammar
             for s in states
@@ -283,20 +286,14 @@ class ModelRunner:
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
 
-    def _draft_model_step(
-        self, batch: DecodeBatch, states: list[ReqState], drafting: bool
-    ) -> StepOutput | None:
-        """With a draft model: it proposes the drafting rows' tokens and the step verifies
-        them; without drafts this step, the draft computes the input tokens (None: the
-        target's step is a plain one)."""
-        tokens = [s.last_token for s in states]
-        if not drafting:
-            self.drafter.follow(batch, tokens)
-            return None
-        batch = dataclasses.replace(batch, drafts=self.drafter.propose(batch, tokens))
-        out = verify_step(self, batch, states)
+    def _draft_model_step(self, batch: DecodeBatch, states: list[ReqState]) -> StepOutput:
+        """The draft model proposes the drafting rows' tokens, the step verifies them (a
+        row without draft slots gets a guess, which is reported, not verified)."""
+        proposed = self.drafter.propose(batch, [s.last_token for s in states])
+        drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
+        out = verify_step(self, dataclasses.replace(batch, drafts=drafts), states)
         self.drafter.commit(batch, out["accepted"])
-        return StepOutput(**out, drafts=batch.drafts)
+        return StepOutput(**out, drafts=proposed)
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         buffer = self.buffer_for(rids, states)
