@@ -58,15 +58,18 @@ def harness_with_draft(target: str, draft: str, seed: int = 0) -> tuple[Harness,
     return h, DraftView(h, model, pool)
 
 
-def draft_decode(h: Harness, k: dict[str, int]) -> list[int]:
-    """One decode step of every running request, `k[rid]` drafts each; returns the
-    accepted counts."""
+def draft_decode(h: Harness, k: dict[str, int]):
+    """One decode step of every running request, `k[rid]` drafts each (the descriptor
+    says the same rows come next, and the worker's run-ahead follows it)."""
     rids = list(h.running)
     locs = h.alloc.alloc(len(rids))
     dl = [h.alloc.alloc(k.get(rid, 0)) for rid in rids]
     h.step += 1
-    batch = DecodeBatch(h.step, rids, locs, drafts=[[] for _ in rids], draft_cache_loc=dl)
+    batch = DecodeBatch(
+        h.step, rids, locs, drafts=[[] for _ in rids], draft_cache_loc=dl, lookahead=True
+    )
     res = h.runner.decode(batch)
+    h.runner.run_ahead()  # as the worker does after each reply
     assert res.rids == rids and res.drafts is not None
     accepted = res.accepted or [0] * len(rids)
     for i, rid in enumerate(rids):
@@ -77,7 +80,7 @@ def draft_decode(h: Harness, k: dict[str, int]) -> list[int]:
         h.tokens[rid] += [h.out[rid][-1]] + d[:a]
         h.out[rid] += d[:a] + [res.next_token_ids[i]]
         h.alloc.free(dl[i][a:][::-1])
-    return accepted
+    return res
 
 
 @pytest.mark.parametrize("whole", [False, True], ids=["first-layer", "target-as-draft"])
@@ -98,7 +101,7 @@ def test_draft_model_steps_match_mlx_lm(tiny_model, one_layer_draft, whole):
             h.extend([h.ereq("hit", tail, prefix=h.prefix("r0", n), sampling=greedy(64))])
         k = {rid: rng.choice([0, 1, 3, 5]) for rid in h.running} if step % 5 != 4 else {}
         drafted += sum(k.values())
-        accepted += sum(draft_decode(h, k))
+        accepted += sum(draft_decode(h, k).accepted or [])
     assert 0 < accepted <= drafted
     if whole:
         assert accepted == drafted  # the target agrees with itself
@@ -108,6 +111,34 @@ def test_draft_model_steps_match_mlx_lm(tiny_model, one_layer_draft, whole):
         assert h.out[rid][:n] == want[rid][:n], rid
         h.assert_pool_holds(rid)
         Harness.assert_pool_holds(view, rid)  # the draft's KV of the same tokens
+
+
+def test_guesses_and_steps_computed_ahead(tiny_model):
+    """With the target as its own draft, the guess reported for a row without drafts is
+    the token the step produced. Plain steps in a row use the draft's column computed
+    ahead; a drafting step, a prefill and a release take it back first."""
+    h, view = harness_with_draft(tiny_model, tiny_model)
+    rng = random.Random(8)
+    prompts = {rid: random_prompt(rng, 20, h.vocab) for rid in ("a", "b", "late")}
+    want = {rid: reference(h.path, p, 40) for rid, p in prompts.items()}
+    h.extend([h.ereq(rid, prompts[rid], sampling=greedy(64)) for rid in ("a", "b")])
+    guessed = 0
+    for step in range(14):
+        if step == 6:
+            h.extend([h.ereq("late", prompts["late"], sampling=greedy(64))])
+        if step == 10:
+            h.release([ReleaseReq("b", flush=True)])
+        res = draft_decode(h, {"a": 2} if step % 4 == 3 else {})
+        for i, rid in enumerate(res.rids):
+            if not res.accepted:
+                assert res.drafts[i] == [res.next_token_ids[i]], (step, rid)
+                guessed += 1
+    assert guessed > 20
+    h.release([ReleaseReq(rid, flush=True) for rid in ("a", "late")])
+    for rid in prompts:
+        n = min(len(h.out[rid]), 40)
+        assert h.out[rid][:n] == want[rid][:n], rid
+        Harness.assert_pool_holds(view, rid)
 
 
 def test_seeded_sampling_with_a_draft_model_is_reproducible(tiny_model, one_layer_draft):

@@ -37,9 +37,28 @@ DRAFT_SAMPLING = SamplingParams(temperature=0.0)
 class DraftModel:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        # After a step without drafts whose descriptor said the same rows come next, the
+        # next follow step is computed while the scheduler works (`run_ahead`): its rids,
+        # input tokens and guesses. Anything else takes that column back first.
+        self.next_rids: list[str] | None = None
+        self.ahead: tuple[list[str], list[int], mx.array] | None = None
+
+    def run_ahead(self, target_reqs: dict[str, ReqState]) -> None:
+        rids, self.next_rids = self.next_rids, None
+        buffer = self.runner.buffer
+        if rids is None or buffer is None or buffer.rows(rids) is None:
+            return
+        tokens = [target_reqs[rid].last_token for rid in rids]
+        self.ahead = (rids, tokens, self._step(buffer, rids, tokens))
+
+    def _take_back(self) -> None:
+        if self.ahead is not None:
+            self.runner.buffer.unstep()
+            self.ahead = None
 
     def extend(self, batch: ExtendBatch) -> None:
         """The target's extend (its releases already done by the target's `release`)."""
+        self._take_back()
         reqs = [
             dataclasses.replace(
                 r, sampling=DRAFT_SAMPLING, context_ids=[], output_ids=[], snapshots=[]
@@ -49,18 +68,29 @@ class DraftModel:
         self.runner.extend(ExtendBatch(batch.step, reqs))
 
     def release(self, release: list[ReleaseReq], keep_buffer: bool) -> None:
+        self._take_back()
         self.runner.release(release, keep_buffer)
 
     def follow(self, batch: DecodeBatch, tokens: list[int]) -> mx.array:
         """A step without drafts: the draft computes the rows' input `tokens` too, and
         its guess of each row's next token (the rows' shadow proposals) is returned, to
         be read once the target's step is."""
-        states, buffer = self._buffer(batch.rids)
-        logits = buffer.step(self.runner.decode_step, self._by_row(buffer.rids, batch.rids, tokens))
-        guesses = mx.argmax(logits, axis=-1)[mx.array(buffer.rows(batch.rids))]
+        if self.ahead is not None and self.ahead[:2] == (list(batch.rids), tokens):
+            guesses, self.ahead = self.ahead[2], None
+        else:
+            self._take_back()
+            _, buffer = self._buffer(batch.rids)
+            guesses = self._step(buffer, batch.rids, tokens)
+        for rid, loc in zip(batch.rids, batch.out_cache_loc):
+            self.runner.reqs[rid].slots.append(loc)
+        self.next_rids = list(batch.rids) if batch.lookahead else None
+        return guesses
+
+    def _step(self, buffer, rids: list[str], tokens: list[int]) -> mx.array:
+        """One column of `rids`' input tokens; the draft's guesses of their next tokens."""
+        logits = buffer.step(self.runner.decode_step, self._by_row(buffer.rids, rids, tokens))
+        guesses = mx.argmax(logits, axis=-1)[mx.array(buffer.rows(rids))]
         mx.async_eval(guesses, buffer.arrays())
-        for s, loc in zip(states, batch.out_cache_loc):
-            s.slots.append(loc)
         return guesses
 
     def propose(self, batch: DecodeBatch, tokens: list[int]) -> list[list[int]]:
@@ -68,6 +98,7 @@ class DraftModel:
         token `tokens[i]` (a row without slots: the first, its guess); their KV (all
         K + 1 columns) goes to the draft pool."""
         runner = self.runner
+        self._take_back()
         states, buffer = self._buffer(batch.rids)
         runner.flush()  # the step's columns are then the only unflushed ones
         k = max(len(locs) for locs in batch.draft_cache_loc)

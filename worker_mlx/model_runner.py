@@ -339,6 +339,8 @@ class ModelRunner:
     def run_ahead(self) -> None:
         """Start the decode step the last descriptor said comes next (called after the reply
         went out, so it computes while the scheduler works)."""
+        if self.drafter is not None:
+            self.drafter.run_ahead(self.reqs)
         rids, buffer = self.lookahead.next_step, self.buffer
         self.lookahead.expect_step(None)
         rows = buffer.rows(rids) if rids is not None and buffer is not None else None
