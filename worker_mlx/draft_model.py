@@ -7,7 +7,10 @@ the scheduler's allocator, trie and eviction cover both pools without knowing th
 two, and a prefix that hits in the radix cache is there for the draft too. To keep that
 true the draft computes every token the target does: the same extends (chunks, cached
 prefixes), and at every decode step the rows' input tokens, on its own decode buffer,
-deferred and flushed exactly when the target's is (release, extend).
+deferred and flushed exactly when the target's is (release, extend). Its guess of each
+row's next token comes with that step, the row's shadow proposal (scheduler/speculation.py);
+when the descriptor says the same rows come next, the next such step is computed after
+the reply, as the target's lookahead is, and taken back if something else comes.
 
 Proposing (a step whose `draft_cache_loc` gives a row K fresh slots and no tokens): K + 1
 steps of the draft's decode buffer, batched over the rows: the row's last token, then
