@@ -274,3 +274,17 @@ def test_bad_draft_descriptors_get_a_clear_error_and_the_requests_go_on(
     assert h.out["a"] == want[: len(h.out["a"])]
     h.release([ReleaseReq("a", flush=True)])
     Harness.assert_pool_holds(view, "a")
+
+
+def test_an_auto_sized_pool_counts_both_models_bytes_per_slot(tiny_model, one_layer_draft):
+    from worker_mlx.kv_pool import pool_size
+    from worker_mlx.model_probe import probe_kv_layout
+
+    target = probe_kv_layout(load_model(tiny_model)[0])
+    draft = probe_kv_layout(load_model(one_layer_draft)[0])
+    assert draft.bytes_per_slot * 2 == target.bytes_per_slot  # 1 layer of the target's 2
+    budget = 3 << 20
+    alone = pool_size(target, 0.5, budget)
+    both = pool_size(target, 0.5, budget, draft.bytes_per_slot)
+    assert both * (target.bytes_per_slot + draft.bytes_per_slot) <= budget // 2
+    assert both == budget // 2 // (target.bytes_per_slot + draft.bytes_per_slot) < alone
