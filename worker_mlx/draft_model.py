@@ -26,15 +26,30 @@ The draft is greedy: q is one-hot, which is the case `verify`'s rejection rule h
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from common.messages import DecodeBatch, ExtendBatch, ReleaseReq, SamplingParams
-from worker_mlx.model_runner import ModelRunner, ReqState
+from worker_mlx.verify import verify_step
+
+if TYPE_CHECKING:
+    from worker_mlx.model_runner import ModelRunner, ReqState
 
 # The draft samples nothing that the output depends on: its own requests are greedy and
 # free of penalties, grammars and logprobs whatever the target's row asks for.
 DRAFT_SAMPLING = SamplingParams(temperature=0.0)
+
+
+def draft_model_step(runner: ModelRunner, batch: DecodeBatch, states: list[ReqState]) -> dict:
+    """A step with drafting rows: `runner.drafter` proposes, the step verifies (a row
+    without draft slots gets a guess, reported, not verified). The StepOutput's fields."""
+    drafter = runner.drafter
+    proposed = drafter.propose(batch, [s.last_token for s in states])
+    drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
+    out = verify_step(runner, dataclasses.replace(batch, drafts=drafts), states)
+    drafter.commit(batch, out["accepted"])
+    return out | {"drafts": proposed}
 
 
 class DraftModel:

@@ -7,7 +7,6 @@ moment is `kv_location`. Descriptors are checked against the pool bounds, not tr
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -16,6 +15,7 @@ import mlx.nn as nn
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
+from worker_mlx.draft_model import draft_model_step
 from worker_mlx.grammar import Grammars, advance
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
@@ -262,7 +262,7 @@ class ModelRunner:
         states = [self.reqs[rid] for rid in batch.rids]
         guesses = None
         if worker_drafts and drafting:
-            return self._draft_model_step(batch, states)
+            return StepOutput(**draft_model_step(self, batch, states))
         if worker_drafts:  # the draft computes the step's tokens too, and guesses
             guesses = self.drafter.follow(batch, [s.last_token for s in states])
         if drafting:
@@ -285,15 +285,6 @@ class ModelRunner:
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
-
-    def _draft_model_step(self, batch: DecodeBatch, states: list[ReqState]) -> StepOutput:
-        """The draft model proposes the drafting rows' tokens, the step verifies them (a
-        row without draft slots gets a guess, which is reported, not verified)."""
-        proposed = self.drafter.propose(batch, [s.last_token for s in states])
-        drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
-        out = verify_step(self, dataclasses.replace(batch, drafts=drafts), states)
-        self.drafter.commit(batch, out["accepted"])
-        return StepOutput(**out, drafts=proposed)
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         buffer = self.buffer_for(rids, states)
