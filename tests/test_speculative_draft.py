@@ -288,3 +288,15 @@ def test_an_auto_sized_pool_counts_both_models_bytes_per_slot(tiny_model, one_la
     both = pool_size(target, 0.5, budget, draft.bytes_per_slot)
     assert both * (target.bytes_per_slot + draft.bytes_per_slot) <= budget // 2
     assert both == budget // 2 // (target.bytes_per_slot + draft.bytes_per_slot) < alone
+
+
+def test_the_draft_flags_go_together():
+    from common.server_args import ServerArgs
+
+    for args in (
+        ServerArgs("/t", speculative_algorithm="draft"),
+        ServerArgs("/t", speculative_algorithm="ngram", speculative_draft_model_path="/m"),
+    ):
+        with pytest.raises(ValueError, match="go together"):
+            args.validate()
+    ServerArgs("/t", speculative_algorithm="draft", speculative_draft_model_path="/m").validate()
