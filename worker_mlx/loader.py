@@ -107,6 +107,7 @@ def _make_pools(
     recurrent layers, the state pool, whose share is taken from the budget first. With a
     draft model a slot costs both models' bytes (its pool has the same slots)."""
     budget = None if args.max_total_tokens is not None else backend.memory_budget()
+    extra = draft[1].bytes_per_slot if draft is not None else 0  # the draft's pool
     # each of --dp-size replicas gets its share (the later ones take the first one's size)
     fraction = (args.mem_fraction_static or backend.mem_fraction) / args.dp_size
     states = None
@@ -123,10 +124,9 @@ def _make_pools(
         num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
     else:
         taken = 0 if states is None else states.num_slots * state_layout.bytes_per_slot
-        extra = draft[1].bytes_per_slot if draft is not None else 0
         num_slots = pool_size(layout, fraction, budget - int(taken / fraction), extra)
         sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
-    per_slot = layout.bytes_per_slot + (draft[1].bytes_per_slot if draft is not None else 0)
+    per_slot = layout.bytes_per_slot + extra
     logger.info(
         "KV pool: %d tokens x %d bytes%s = %.1f MiB, stored as %s (%s)",
         num_slots, per_slot, " (target + draft)" if draft is not None else "",
