@@ -263,7 +263,9 @@ class DecodeBatch:
     lookahead: bool = False
     # Speculative decoding: per row, draft tokens to verify after its last token and the
     # fresh slots for their KV (one each); [] when no row drafts. The reply's `accepted`
-    # says how many of each row's drafts were kept.
+    # says how many of each row's drafts were kept. With a draft model in the worker
+    # (--speculative-algorithm draft) a drafting row sends only its slots and empty
+    # drafts: the worker proposes one token per slot and replies with them (`drafts`).
     drafts: list[list[int]] = field(default_factory=list)
     draft_cache_loc: list[list[int]] = field(default_factory=list)
 
@@ -293,6 +295,10 @@ class StepResult:
     # A distributed worker: seconds a recent decode step's collectives took, replayed
     # alone (worker_mlx.distributed.CollectiveProbe); 0.0 when none was timed since.
     collective_seconds: float = 0.0
+    # With a draft model in the worker, per row: the drafts it proposed for a row with
+    # draft slots, else its guess of the token this step produced (one; the row's shadow
+    # proposal).
+    drafts: list[list[int]] | None = None
 
 
 @dataclass

@@ -143,8 +143,14 @@ class ServerArgs:
     speculative_algorithm: str = flag(
         "none",
         "speculative decoding: ngram drafts tokens from each request's own prompt and output "
-        "(prompt lookup), verified in one batched step",
-        choices=["none", "ngram"],
+        "(prompt lookup), draft has --speculative-draft-model-path propose them; verified "
+        "in one batched step",
+        choices=["none", "ngram", "draft"],
+    )
+    speculative_draft_model_path: str | None = flag(
+        None,
+        "--speculative-algorithm draft: a small model with the target's tokenizer (local "
+        "directory or Hugging Face id) that proposes the drafts",
     )
     speculative_num_draft_tokens: int = flag(
         4, "most draft tokens a request verifies per decode step (with --speculative-algorithm)"
@@ -191,6 +197,10 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("--speculative-num-draft-tokens must be in [1, 16]")
+        if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
+            raise ValueError(
+                "--speculative-algorithm draft and --speculative-draft-model-path go together"
+            )
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:

@@ -13,6 +13,7 @@ from worker_mlx.backends import select
 from worker_mlx.distributed import Rank, agree_pool_size
 from worker_mlx.distributed_plan import PlanError
 from worker_mlx.distributed_shard import shard_model
+from worker_mlx.draft_model import DraftModel
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
@@ -37,7 +38,10 @@ def load_runner(
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
     model_type = _model_type(model, config)
     _log_model(args.model_path, model_type, layout, vocab_size, context_len)
-    pool, states = _make_pools(args, backend, layout, state_layout, rank)
+    draft = None
+    if args.speculative_algorithm == "draft":
+        draft = _load_draft(args, backend, tokenizer, vocab_size)
+    pool, states = _make_pools(args, backend, layout, state_layout, draft, rank)
     step = args.prefill_step_size or backend.prefill_step
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
@@ -48,6 +52,8 @@ def load_runner(
         grammars=grammars, states=states, pad_prefill=pad,
     )  # fmt: skip
     runner.pipeline_stage = stage
+    if draft is not None:
+        _attach_draft(args.speculative_draft_model_path, runner, *draft)
     ready = WorkerReady(
         num_slots=pool.num_slots,
         model_type=model_type,
@@ -65,16 +71,52 @@ def load_runner(
     return runner, ready
 
 
+def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:
+    """(model, layout) of --speculative-draft-model-path: refused unless its tokenizer is
+    the target's, token for token, and its layers can verify drafts."""
+    path = args.speculative_draft_model_path
+    model, draft_tokenizer, config, (layout, state_layout) = _load_servable(path)
+    ours, theirs = tokenizer._tokenizer.get_vocab(), draft_tokenizer._tokenizer.get_vocab()
+    draft_vocab = _vocab_size(model, config)
+    if ours != theirs or draft_vocab != vocab_size:
+        differ = sum(theirs.get(t) != i for t, i in ours.items())
+        _refuse(
+            path,
+            f"a draft model needs the target's vocabulary: {len(theirs)} tokens and "
+            f"{draft_vocab} logits against the target's {len(ours)} and {vocab_size} "
+            f"({differ} of the target's tokens have another id or none)",
+        )
+    if state_layout is not None or any(layout.windows):
+        _refuse(path, "a draft model cannot have sliding windows or recurrent layers")
+    backend.install(model)
+    logger.info("draft model %s: %s", path, describe_layers(layout))
+    return model, _stored_as(path, layout, args.kv_cache_dtype)
+
+
+def _attach_draft(path: str, runner: ModelRunner, model, layout: KVLayout) -> None:
+    """The draft's runner over its own pool of the target's size (the same slot ids)."""
+    if not runner.verifies_drafts:
+        logger.warning("this model cannot verify drafts: decoding without speculation")
+        return
+    compiled, step = runner.decode_step.compiles, runner.prefill_step
+    if not batched_path_works(model, layout, runner.vocab_size, compiled, step):
+        _refuse(path, "a draft model must run batched with per-row offsets")
+    pool = MlxKVPool(layout, runner.pool.num_slots)
+    draft = ModelRunner(
+        model, pool, runner.vocab_size, batched=True, prefill_step=step, compile_decode=compiled
+    )
+    runner.drafter = DraftModel(draft)
+
+
 def _make_pools(
-    args: ServerArgs,
-    backend,
-    layout: KVLayout,
-    state_layout: StateLayout | None,
-    rank: Rank | None = None,
-) -> tuple[MlxKVPool, StatePool | None]:
+    args: ServerArgs, backend, layout: KVLayout, state_layout: StateLayout | None,
+    draft: tuple | None = None, rank: Rank | None = None,
+) -> tuple[MlxKVPool, StatePool | None]:  # fmt: skip
     """The KV pool (--max-total-tokens, or the backend's budget) and, for a model with
-    recurrent layers, the state pool, whose share is taken from the budget first."""
+    recurrent layers, the state pool, whose share is taken from the budget first. With a
+    draft model a slot costs both models' bytes (its pool has the same slots)."""
     budget = None if args.max_total_tokens is not None else backend.memory_budget()
+    extra = draft[1].bytes_per_slot if draft is not None else 0  # the draft's pool
     # each of --dp-size replicas gets its share (the later ones take the first one's size)
     fraction = (args.mem_fraction_static or backend.mem_fraction) / args.dp_size
     if rank is not None:  # and each rank on this machine its share of the replica's
@@ -93,15 +135,16 @@ def _make_pools(
         num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
     else:
         taken = 0 if states is None else states.num_slots * state_layout.bytes_per_slot
-        num_slots = pool_size(layout, fraction, budget - int(taken / fraction))
+        num_slots = pool_size(layout, fraction, budget - int(taken / fraction), extra)
         sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
     if rank is not None:
         num_slots = agree_pool_size(rank.group, num_slots)
         rank.log(num_slots)
+    per_slot = layout.bytes_per_slot + extra
     logger.info(
-        "KV pool: %d tokens x %d bytes = %.1f MiB, stored as %s (%s)",
-        num_slots, layout.bytes_per_slot, num_slots * layout.bytes_per_slot / 2**20,
-        layout.codec.describe(), sizing,
+        "KV pool: %d tokens x %d bytes%s = %.1f MiB, stored as %s (%s)",
+        num_slots, per_slot, " (target + draft)" if draft is not None else "",
+        num_slots * per_slot / 2**20, layout.codec.describe(), sizing,
     )  # fmt: skip
     return MlxKVPool(layout, num_slots), states
 
