@@ -18,11 +18,11 @@ import logging
 import random
 import re
 
-import httpx
 import pytest
 
 from common.messages import DecodeBatch, ReleaseReq, SamplingParams
 from tests.conftest import load_model, mlx_greedy
+from tests.test_metrics import PREFIX, scrape
 from tests.test_model_runner import Harness, greedy, random_prompt, reference, vocab_size
 
 
@@ -237,9 +237,7 @@ def test_batched_draft_speculation_matches_mlx_lm(draft_server, draft_pair):
     assert "Traceback" not in log and "two owners" not in log and "slots lost" not in log
     accept = [float(x) for x in re.findall(r"accept len: ([0-9.]+)", log)]
     assert accept and max(accept) > least_accept, accept  # drafts accepted, not just sent
-    metrics = httpx.get(draft_server.url + "/metrics", timeout=30).text
-    evicted = re.search(r"^radix_mlx_evicted_tokens_total (\S+)", metrics, re.M)
-    assert evicted and float(evicted.group(1)) > 0
+    assert scrape(draft_server.url)[PREFIX + "evicted_tokens_total"] > 0
 
 
 @pytest.mark.slow

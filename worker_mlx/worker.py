@@ -131,5 +131,5 @@ def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None
     assert isinstance(msg, (ExtendBatch, DecodeBatch))
     return StepResult(
         msg.step, out.rids, out.next_token_ids, out.logprobs, out.top_logprobs,
-        out.prompt_logprobs, out.accepted, out.drafts,
+        out.prompt_logprobs, out.accepted, drafts=out.drafts,
     )  # fmt: skip
