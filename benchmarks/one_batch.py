@@ -10,7 +10,8 @@ several batch sizes the decode throughput of each against the first is printed. 
 --cached-prefix-len each prompt is K tokens already in the pool followed by --input-len
 new tokens. With --compare-mlx-lm it also times mlx-lm's own decode step (generate_step
 at batch 1, BatchGenerator above, with mlx's own kernels) in the same run and prints the
-ratio.
+ratio. With --tp-size/--pp-size N it runs on N rank processes after one process, and
+prints the decode step of each and the collectives' share (benchmarks/ranks.py).
 Decode steps run with the server's lookahead unless --no-overlap. With --kv-cache-dtype
 A B ... each pool storage gets its own pool and runner, their rounds alternate in one run,
 and each one's decode step and tokens per byte of pool are printed against the first's.
@@ -21,7 +22,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +34,7 @@ BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 
+from benchmarks import ranks  # noqa: E402
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
 from worker_mlx.backends import Backend, select  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
@@ -145,9 +149,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     from mlx_lm import load
 
+    size = args.tp_size * args.pp_size
+    if size > 1 and not ranks.in_rank():  # the baseline, then this command on `size` ranks
+        return ranks.launch(sys.argv[1:] if argv is None else argv, size, args.result_file)
     path = args.model_path or str(_preset_model(args.preset))
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
-    model, _ = load(path)
+    if size > 1:
+        model, group, spec = ranks.load_rank(path, args.tp_size, args.pp_size)
+    else:
+        model, _ = load(path)
     layout = probe_kv_layout(model)
     uninstall = backend.install(model)
     print(f"model {path}: {layout}, BLAS: {BLAS}, backend {backend.describe()}")
@@ -155,9 +165,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = _benchmark(model, layout, args, backend)
     finally:
         uninstall()  # mlx's own kernels and cache limit from here on, as mlx-lm users run it
+    run = f"{time.time():.0f}-{os.getpid()}"  # which rows one command appended
     for row in results:
-        row.update(model=path, blas=BLAS)
-    if args.compare_mlx_lm:
+        row.update(model=path, blas=BLAS, run=run)
+    if size > 1:
+        ranks.add_collectives(results, group, spec, model)
+        if spec.rank > 0:
+            return results
+    elif args.compare_mlx_lm:
         _compare_with_mlx_lm(model, results, args)
     _print_scaling(results)
     _append_jsonl(args.result_file, results)
@@ -180,6 +195,7 @@ def _benchmark(model, layout, args: argparse.Namespace, backend: Backend) -> lis
             model, pool, model.args.vocab_size, prefill_step=backend.prefill_step,
             compile_decode=backend.compile_decode,
         )  # fmt: skip
+        runner.pipeline_stage = args.pp_size > 1
         slots = SlotList(need)
         setups[kv_dtype] = runner, slots, _cached_prefix(runner, slots, args)
     prompts = {bs: _prompts(bs, args) for bs in args.batch_size}
@@ -348,6 +364,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="benchmark passes per batch size, batch sizes taken in turn; figures are the "
         "median pass (on a noisy machine one pass can be 30%% off)",
     )
+    p.add_argument("--tp-size", type=int, default=1, help="as the server flag (see ranks.py)")
+    p.add_argument("--pp-size", type=int, default=1, help="as the server flag (see ranks.py)")
     p.add_argument("--verbose", action="store_true", help="print every decode step")
     p.add_argument("--result-file", default="bench_results/bench_one_batch.jsonl")
     return p.parse_args(argv)

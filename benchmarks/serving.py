@@ -55,7 +55,7 @@ from common.server_process import ServerProcess
 from router.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
-BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram")
+BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram", "radix-mlx-draft")
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
 # mlx_lm.server with OpenBLAS loaded first, as radix-mlx's worker does: same BLAS for both.
 MLX_LM_MAIN = (
@@ -195,7 +195,7 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
             for b in backends
             for c in concs
         ]
-    backends = BACKENDS[:3] if args.backend == "all" else (args.backend,)
+    backends = BACKENDS[:3] if args.backend == ["all"] else tuple(args.backend)
     spec = spec_from_args(args)
     return [PlannedRun(b, spec, c) for b in backends for c in args.max_concurrency or [None]]
 
@@ -248,7 +248,11 @@ async def run_backend(
     if args.base_url:
         ep = Endpoint(backend, args.base_url.rstrip("/"), args.zmq_address)
     else:
-        server = ManagedServer(backend, model, Path(args.output_dir) / "logs", args.server_args)
+        extra = list(args.server_args)
+        if backend == "radix-mlx-draft":
+            extra += ["--speculative-algorithm", "draft"]
+            extra += ["--speculative-draft-model-path", args.draft_model_path]
+        server = ManagedServer(backend, model, Path(args.output_dir) / "logs", extra)
         print(f"starting {backend}: {shlex.join(server.cmd)}", flush=True)
         ep = await asyncio.to_thread(server.start)
     opts = dict(
@@ -295,7 +299,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["standard", "speculative"],
         help="the issue's target runs on the small model (speculative: its looping build)",
     )
-    a("--backend", choices=[*BACKENDS, "all"], default="radix-mlx")
+    a(
+        "--backend",
+        choices=[*BACKENDS, "all"],
+        nargs="+",
+        default=["radix-mlx"],
+        help="one or more, run in turn (ABBA with --repeats)",
+    )
+    a("--draft-model-path", help="radix-mlx-draft: the draft model")
     a("--base-url", help="use a running server (of --backend's kind) instead of starting one")
     a("--zmq-address", help="with --base-url and --transport sdk: the SDK front door")
     a("--transport", choices=["http", "sdk"], default="http", help="for radix-mlx backends")
@@ -305,6 +316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
     a("--dp-size", type=int, default=1, help="radix-mlx replicas (`radix-mlx serve --dp-size`)")
     a("--replica", action="append", default=[], help="a remote replica to attach (repeatable)")
+    a("--tp-size", type=int, default=1, help="radix-mlx's worker as tensor-parallel ranks")
+    a("--pp-size", type=int, default=1, help="radix-mlx's worker as pipeline-parallel ranks")
     a("--workload", choices=WORKLOADS, default="random")
     a("--num-prompts", type=int, default=64, help="random workload")
     a("--random-input-len", type=int, default=256)
@@ -361,10 +374,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.loop = args.loop or args.suite == "speculative"
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if "radix-mlx-draft" in args.backend and not args.draft_model_path:
+        p.error("--backend radix-mlx-draft needs --draft-model-path")
     if args.dp_size > 1:
         args.server_args += ["--dp-size", str(args.dp_size)]
     for address in args.replica:
         args.server_args += ["--replica", address]
+    for name in ("tp_size", "pp_size"):
+        if getattr(args, name) > 1:
+            args.server_args += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return args
 
 

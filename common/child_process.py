@@ -40,7 +40,7 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
     replica's worker), with `-standby` until a standby is released."""
     set_title(_title(name) if release is None else f"{_title(name)}-standby")
     if release is not None:
-        _die_with_parent()
+        die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
 
@@ -66,10 +66,11 @@ def parent_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _die_with_parent() -> None:
-    """A standby holds nothing: on Linux the kernel kills it with its parent, also while
-    it imports (its own check of the parent runs only once the imports are done). A
-    parent that died before the prctl sends no signal, hence the check after it."""
+def die_with_parent() -> None:
+    """On Linux the kernel kills this process with its parent: a standby (it holds
+    nothing) also while it imports, before its own check of the parent runs; a worker
+    rank also while it waits in a collective. A parent that died before the prctl sends
+    no signal, hence the check after it."""
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux

@@ -183,6 +183,9 @@ class SchedulerStats:
     capacity: int
     evicted_tokens: int
     retracted_requests: int
+    # a distributed worker's last timed decode-step collectives and how many were timed
+    collective_seconds: float = 0.0
+    collective_probes: int = 0
 
 
 @dataclass
@@ -260,7 +263,9 @@ class DecodeBatch:
     lookahead: bool = False
     # Speculative decoding: per row, draft tokens to verify after its last token and the
     # fresh slots for their KV (one each); [] when no row drafts. The reply's `accepted`
-    # says how many of each row's drafts were kept.
+    # says how many of each row's drafts were kept. With a draft model in the worker
+    # (--speculative-algorithm draft) a drafting row sends only its slots and empty
+    # drafts: the worker proposes one token per slot and replies with them (`drafts`).
     drafts: list[list[int]] = field(default_factory=list)
     draft_cache_loc: list[list[int]] = field(default_factory=list)
 
@@ -287,6 +292,13 @@ class StepResult:
     # A decode step with drafts: per row, how many of its drafts were accepted; the row's
     # new tokens are those drafts followed by its next_token_ids entry.
     accepted: list[int] | None = None
+    # A distributed worker: seconds a recent decode step's collectives took, replayed
+    # alone (worker_mlx.distributed.CollectiveProbe); 0.0 when none was timed since.
+    collective_seconds: float = 0.0
+    # With a draft model in the worker, per row: the drafts it proposed for a row with
+    # draft slots, else its guess of the token this step produced (one; the row's shadow
+    # proposal).
+    drafts: list[list[int]] | None = None
 
 
 @dataclass

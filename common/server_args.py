@@ -65,6 +65,29 @@ class ServerArgs:
         False, "on the CPU, keep mlx's own exp and an uncompiled decode step (slower; see docs)"
     )
     context_length: int | None = flag(None, "override the model's context length")
+    tp_size: int = flag(
+        1,
+        "tensor parallelism: the worker is this many rank processes, each holding a share "
+        "of every layer's heads (mx.distributed)",
+    )
+    pp_size: int = flag(
+        1,
+        "pipeline parallelism: the worker is this many rank processes, each holding a "
+        "contiguous share of the layers (mx.distributed); not together with --tp-size",
+    )
+    dist_backend: str = flag(
+        "ring", "mx.distributed backend of the worker's ranks", choices=["ring", "jaccl", "mpi"]
+    )
+    dist_hostfile: str | None = flag(
+        None,
+        "mlx.launch's JSON hostfile of the ranks (default: all ranks on this machine, a "
+        "loopback ring); with it, run the command under mlx.launch (see deploy/multi-mac.md)",
+    )
+    dist_port: int | None = flag(
+        None,
+        "first TCP port of the loopback ring, one per rank (default: free ports); with "
+        "--dist-hostfile, rank 0's ports for the other ranks' descriptors",
+    )
     decode_log_interval: int = flag(40, "log decode throughput every this many decode steps")
     log_level: str = flag("info", "log level", choices=["debug", "info", "warning", "error"])
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on the HTTP API")
@@ -120,8 +143,14 @@ class ServerArgs:
     speculative_algorithm: str = flag(
         "none",
         "speculative decoding: ngram drafts tokens from each request's own prompt and output "
-        "(prompt lookup), verified in one batched step",
-        choices=["none", "ngram"],
+        "(prompt lookup), draft has --speculative-draft-model-path propose them; verified "
+        "in one batched step",
+        choices=["none", "ngram", "draft"],
+    )
+    speculative_draft_model_path: str | None = flag(
+        None,
+        "--speculative-algorithm draft: a small model with the target's tokenizer (local "
+        "directory or Hugging Face id) that proposes the drafts",
     )
     speculative_num_draft_tokens: int = flag(
         4, "most draft tokens a request verifies per decode step (with --speculative-algorithm)"
@@ -168,6 +197,10 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise ValueError("--speculative-num-draft-tokens must be in [1, 16]")
+        if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
+            raise ValueError(
+                "--speculative-algorithm draft and --speculative-draft-model-path go together"
+            )
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:
@@ -193,6 +226,25 @@ class ServerArgs:
             raise ValueError("--curve-secret-key and --curve-server-key go together")
         if self.restart_wait_timeout < 0:
             raise ValueError("--restart-wait-timeout must be >= 0")
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError("--tp-size and --pp-size must be >= 1")
+        if self.tp_size > 1 and self.pp_size > 1:
+            raise ValueError(
+                "--tp-size and --pp-size cannot both be above 1: a worker group is either "
+                "tensor- or pipeline-parallel"
+            )
+        if self.dist_backend != "ring" and not self.dist_hostfile:
+            raise ValueError(
+                f"--dist-backend {self.dist_backend} needs --dist-hostfile (run under "
+                "mlx.launch); ranks on this machine use the ring on loopback"
+            )
+        if self.group_size > 1 and self.dp_size > 1:
+            raise ValueError("--dp-size above 1 with --tp-size/--pp-size is not supported")
+
+    @property
+    def group_size(self) -> int:
+        """The worker's rank processes (1: one process, no mx.distributed group)."""
+        return self.tp_size * self.pp_size
 
     @property
     def model_name(self) -> str:

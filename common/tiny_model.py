@@ -203,8 +203,14 @@ def build_tiny_model(
     seed: int = 0,
     bos: bool = False,
     loop: bool = False,
+    silent_from: int | None = None,
 ) -> Path:
     """Write a complete model directory (weights, config, tokenizer) to ``out_dir``.
+
+    With ``silent_from`` N the layers from N on have zero output projections (attention
+    and MLP): they compute as any layer but add nothing, so ``build_draft_model(out,
+    layers=N)`` is a draft whose greedy tokens are exactly the target's (a draft that
+    always agrees, for speculative decoding's benchmarks; random weights give no other).
 
     With ``loop`` the attention layers' output projections are zero: the next token then
     depends on the last one only, so greedy output soon cycles (a model whose outputs
@@ -248,6 +254,8 @@ def build_tiny_model(
         weights = {
             k: mx.zeros_like(v) if k.endswith("o_proj.weight") else v for k, v in weights.items()
         }
+    if silent_from is not None:
+        weights = {k: _silenced(k, v, silent_from) for k, v in weights.items()}
     if config["tie_word_embeddings"]:
         weights.pop("lm_head.weight", None)  # classes that always make one (Gemma) then tie
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -297,6 +305,36 @@ def ensure_tiny_model(
     return final
 
 
+def _silenced(name: str, weight: mx.array, first: int) -> mx.array:
+    """Zero for a layer output projection of a layer from `first` on."""
+    parts = name.split(".")
+    silent = name.endswith(("o_proj.weight", "down_proj.weight")) and parts[1] == "layers"
+    return mx.zeros_like(weight) if silent and int(parts[2]) >= first else weight
+
+
+def build_draft_model(target: str | Path, out_dir: str | Path, layers: int = 1) -> Path:
+    """A draft model for speculative decoding: `target`'s first `layers` layers with its
+    own embeddings, final norm and head, and its tokenizer files. Its next token is an
+    approximation of the target's, so its drafts are accepted part of the time."""
+    src, out = Path(target), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    if not 1 <= layers <= config["num_hidden_layers"]:
+        raise ValueError(f"a draft of {src} has 1 to {config['num_hidden_layers']} layers")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    weights = mx.load(str(src / "model.safetensors"))
+    kept = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), kept, metadata={"format": "mlx"})
+    _write_json(out / "config.json", config | {"num_hidden_layers": layers})
+    return out
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -322,12 +360,28 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
     p.add_argument("--loop", action="store_true", help="zero attention outputs: greedy cycles")
+    p.add_argument(
+        "--silent-from",
+        type=int,
+        metavar="N",
+        help="zero the output projections of layers N.. (a --draft-of with N layers agrees)",
+    )
+    p.add_argument(
+        "--draft-of",
+        type=Path,
+        metavar="TARGET",
+        help="write a draft model of TARGET instead: its first --layers (default 1) layers",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point: build one model and print where it went."""
     args = _parse_args(argv)
+    if args.draft_of is not None:
+        out = build_draft_model(args.draft_of, args.out, args.layers or 1)
+        print(f"wrote a {args.layers or 1}-layer draft of {args.draft_of} to {out}")
+        return
     dims = dict(PRESETS[args.preset])
     for key in dims:
         if getattr(args, key) is not None:
@@ -343,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         bos=args.bos,
         loop=args.loop,
+        silent_from=args.silent_from,
         **dims,
     )
     print(f"wrote {args.preset} {args.arch} model to {out}")

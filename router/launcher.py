@@ -43,6 +43,7 @@ from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
 from router.supervisor import Children, Supervision, Supervisor
+from router.worker_group import launched_rank, launched_spec
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
@@ -58,6 +59,12 @@ def serve(args: ServerArgs) -> int:
     if child_args is None:
         return 1
     model_dir = child_args.model_path
+    rank = launched_rank() if args.dist_hostfile else None
+    if rank:  # a machine of a group under mlx.launch that runs its rank only
+        from worker_mlx.worker import run_worker
+
+        run_worker(child_args, None, spec=launched_spec(child_args, rank))
+        return 0
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)

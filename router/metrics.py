@@ -35,6 +35,7 @@ PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
+COLLECTIVE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5)
 
 # name (without prefix and without the counter's `_total`) -> Prometheus type
@@ -60,6 +61,7 @@ METRICS = {
     "replica_up": "gauge",
     "replica_restarts": "counter",
     "replica_requests": "counter",
+    "collective_seconds": "histogram",
 }
 FINISH_REASONS = ("stop", "length", "abort")
 PROCESSES = ("router", "scheduler", "worker")
@@ -129,6 +131,11 @@ class Metrics:
             registry=r,
         )
         self._replica_metrics(r)
+        self.collective = histogram(
+            "collective_seconds",
+            "A distributed worker's decode-step collectives, timed alone every 64 steps",
+            COLLECTIVE_BUCKETS,
+        )
         for process in PROCESSES:
             self.up.labels(process).set(process == "router")
             if process != "router":
@@ -192,6 +199,8 @@ class Metrics:
         retracted = s.retracted_requests - (seen.retracted_requests if seen else 0)
         self.evicted_tokens.labels(replica).inc(max(0, evicted))
         self.retracted.labels(replica).inc(max(0, retracted))
+        if s.collective_probes > (seen.collective_probes if seen else 0):
+            self.collective.labels(replica).observe(s.collective_seconds)
         self._stats[replica] = s
         self._set_gauges(s, replica)
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from common.server_args import ServerArgs
+from worker_mlx.distributed_plan import check_model_dir
 
 
 class ModelNotFound(Exception):
@@ -42,7 +43,10 @@ def resolve_args(args: ServerArgs, logger: logging.Logger) -> ServerArgs | None:
     flags are invalid or the model cannot be found."""
     try:
         args.validate()
-        return dataclasses.replace(args, model_path=resolve_model_path(args.model_path))
+        model_dir = resolve_model_path(args.model_path)
+        if args.group_size > 1:  # what cannot be split is refused before a rank starts
+            check_model_dir(model_dir, args.tp_size, args.pp_size)
+        return dataclasses.replace(args, model_path=model_dir)
     except (ValueError, ModelNotFound) as exc:
         logger.error("%s", exc)
         return None

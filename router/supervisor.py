@@ -20,7 +20,9 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections import deque
 
@@ -28,6 +30,7 @@ from common.child_process import STOP_SIGNAL
 from common.ipc import Endpoints
 from common.server_args import ServerArgs
 from router.standby import Standbys
+from worker_mlx.distributed_plan import GROUP_BROKEN
 
 logger = logging.getLogger("router")
 CHECK_INTERVAL = 0.1  # seconds between liveness checks: a death is noticed well within 1 s
@@ -63,31 +66,53 @@ class Children:
         self.stopping = stopping if stopping is not None else self.mp.Event()
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self.standbys = Standbys(self.mp, self._process)
+        self.group_dir: str | None = None  # a distributed worker's hostfile and sockets
 
     def start(self) -> None:
-        """Release the standbys (a restart) or spawn the children (the first start)."""
+        """Release the standbys (a restart) or spawn the children (the first start). A
+        distributed worker's ranks are spawned afresh every time, all of them (a group
+        joins once: no standby ranks), before the scheduler."""
         self.procs = {}
-        for name in ROLES:
+        ranks = self._group() if self.args.group_size > 1 else []
+        for spec in ranks:
+            self.procs[spec.name] = proc = self._process("worker", spec=spec)
+            proc.start()
+        for name in self._standby_roles():
             proc = self.standbys.take(name)
             if proc is None:
                 proc = self._process(name)
                 proc.start()
             self.procs[name] = proc
 
+    def _standby_roles(self) -> tuple[str, ...]:
+        return ROLES if self.args.group_size == 1 else ("scheduler",)
+
+    def _group(self) -> list:
+        """The specs of the ranks this machine runs: all of them (a loopback ring), or
+        rank 0 alone under mlx.launch (--dist-hostfile; the others run elsewhere)."""
+        from router.worker_group import launched_spec, local_group
+
+        if self.args.dist_hostfile:
+            return [launched_spec(self.args, 0)]
+        if self.group_dir is None:
+            self.group_dir = tempfile.mkdtemp(prefix="radix-mlx-group-")
+        return local_group(self.args, self.group_dir, self.args.transport)
+
     def spawn_standbys(self) -> None:
         """Spawn what the next restart releases (router.standby); once serving, so the
         standbys' imports do not slow the start they are not part of."""
-        self.standbys.spawn(ROLES)
+        self.standbys.spawn(self._standby_roles())
 
-    def _process(self, name: str, release=None) -> multiprocessing.process.BaseProcess:
+    def _process(self, name: str, release=None, spec=None) -> multiprocessing.process.BaseProcess:
         from scheduler.process import run_scheduler
         from worker_mlx.worker import run_worker
 
         target = {"worker": run_worker, "scheduler": run_scheduler}[name]
+        extra = (spec,) if spec is not None else ()
         return self.mp.Process(
             target=target,
-            args=(self.args, self.endpoints, self.stopping, release),
-            name=name + self.suffix,
+            args=(self.args, self.endpoints, self.stopping, release, *extra),
+            name=(spec.name if spec is not None else name) + self.suffix,
         )
 
     def pid(self, name: str) -> int | None:
@@ -95,11 +120,13 @@ class Children:
         return proc.pid if proc is not None else None
 
     def dead(self) -> tuple[str, str] | None:
-        """(name, what happened) of a child that exited."""
-        for name, proc in self.procs.items():
-            if not proc.is_alive():
-                return name, describe_exit(name, proc.exitcode)
-        return None
+        """(name, what happened) of a child that exited; of a worker group, the rank that
+        did not exit only because another one broke the group (GROUP_BROKEN)."""
+        gone = [(name, proc.exitcode) for name, proc in self.procs.items() if not proc.is_alive()]
+        if not gone:
+            return None
+        name, code = min(gone, key=lambda g: g[1] == GROUP_BROKEN)
+        return name, describe_exit(name, code)
 
     def kill(self, name: str) -> None:
         """SIGKILL: works on a stopped (SIGSTOP'd) or hung process too."""
@@ -122,6 +149,8 @@ class Children:
             proc.join(max(0.0, deadline - time.monotonic()))
         self.kill_all()
         self.standbys.stop(STOP_SIGNAL, STOP_TIMEOUT)
+        if self.group_dir is not None:
+            shutil.rmtree(self.group_dir, ignore_errors=True)
 
 
 class Supervisor:
@@ -192,6 +221,12 @@ class Supervisor:
                 return (
                     f"giving up: {self.name}{reason}, and {len(self.restarts)} restarts within "
                     f"{RESTART_WINDOW:.0f} s reached --max-restarts {self.max_restarts}"
+                )
+            if self.children.args.dist_hostfile:
+                return (
+                    f"giving up: {reason}; a worker group on several machines "
+                    "(--dist-hostfile) is not restarted from here: run the mlx.launch "
+                    "command again"
                 )
             self.restarts.append(now)
             logger.error("%s%s; restarting the worker and the scheduler", self.name, reason)

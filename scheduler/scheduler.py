@@ -29,7 +29,7 @@ from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
-from scheduler.speculation import NgramSpeculation
+from scheduler.speculation import DraftModelSpeculation, NgramSpeculation
 
 logger = logging.getLogger("scheduler")
 
@@ -60,6 +60,7 @@ class Scheduler:
         self.step = 0
         self.in_flight: PrefillBatch | list[Req] | None = None
         self.retracted = 0
+        self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
         self.decode_steps = 0
         self.decode_tokens = 0  # tokens decode steps produced (more than rows with drafts)
@@ -70,13 +71,17 @@ class Scheduler:
         self.draft_locs: list[list[int]] = []
 
     @staticmethod
-    def _speculation(args: ServerArgs, worker: WorkerReady) -> NgramSpeculation | None:
-        if args.speculative_algorithm != "ngram":
+    def _speculation(
+        args: ServerArgs, worker: WorkerReady
+    ) -> NgramSpeculation | DraftModelSpeculation | None:
+        kinds = {"ngram": NgramSpeculation, "draft": DraftModelSpeculation}
+        kind = kinds.get(args.speculative_algorithm)
+        if kind is None:
             return None
         if not worker.verifies_drafts:
             logger.warning("this model cannot verify drafts: decoding without speculation")
             return None
-        return NgramSpeculation(args.speculative_num_draft_tokens)
+        return kind(args.speculative_num_draft_tokens)
 
     # ------------------------------------------------------------ inputs
 
@@ -219,6 +224,8 @@ class Scheduler:
         it = iter(flat)
         self.drafts = drafts
         self.draft_locs = [[next(it) for _ in d] for d in drafts]
+        if self.spec.worker_drafts:  # slots alone: the worker's draft model fills them
+            return [[] for _ in drafts], self.draft_locs
         return self.drafts, self.draft_locs
 
     def _retract_one(self) -> None:
@@ -250,6 +257,9 @@ class Scheduler:
 
     def on_result(self, result: StepResult | WorkerError) -> None:
         batch, self.in_flight = self.in_flight, None
+        if getattr(result, "collective_seconds", 0.0):
+            self.collective_seconds = result.collective_seconds
+            self.collective_probes += 1
         if isinstance(result, WorkerError):
             self._fail_step(batch, result.message)
         elif isinstance(batch, PrefillBatch):
@@ -272,13 +282,15 @@ class Scheduler:
         before = [len(r.output_ids) for r in batch]
         for i, req in enumerate(batch):
             if drafts and drafts[i]:
-                self._take_drafted(req, result, i, drafts[i], locs[i])
+                proposed = self._proposed(result, i, drafts[i])
+                self._take_drafted(req, result, i, proposed, locs[i])
             else:
                 self._append_token(req, result, i, joined=False)
             if self.spec is not None:
                 drafted = len(drafts[i]) if drafts else 0
                 kept = result.accepted[i] if drafted and result.accepted else 0
-                self.spec.observe(req, drafted, kept, req.output_ids[before[i]])
+                guess = result.drafts[i] if result.drafts is not None else None
+                self.spec.observe(req, drafted, kept, req.output_ids[before[i]], guess)
         self.decode_tokens += sum(len(r.output_ids) for r in batch) - sum(before)
         self.decode_rows += len(batch)
         self.decode_steps += 1
@@ -306,6 +318,13 @@ class Scheduler:
             self.running.remove(req)
         self._release(req, keep=True)
         self._finish(req, req.finish_reason)
+
+    def _proposed(self, result: StepResult, row: int, sent: list[int]) -> list[int]:
+        """The drafts a row verified: those sent, or the worker's draft model's (none if a
+        reply lacks them: then every draft slot is freed)."""
+        if not self.spec.worker_drafts:
+            return sent
+        return result.drafts[row] if result.drafts is not None else []
 
     def _take_drafted(
         self, req: Req, result: StepResult, row: int, draft: list[int], locs: list[int]
@@ -408,6 +427,8 @@ class Scheduler:
             capacity=self.kv.capacity,
             evicted_tokens=self.kv.evicted_tokens,
             retracted_requests=self.retracted,
+            collective_seconds=self.collective_seconds,
+            collective_probes=self.collective_probes,
         )
 
     def take_evicted(self) -> list[list[int]]:

@@ -68,11 +68,11 @@ class NgramIndex:
 
 
 @dataclass
-class DraftState:
-    """One request's speculation: its history index and whether its drafts pay."""
+class Adaptive:
+    """Whether a row's drafts pay: in shadow (its proposal is compared with the token
+    the model produced, not sent) until SHADOW_HITS hits in a row, then drafting until
+    it keeps under LOW_ACCEPTANCE of its draft tokens over WINDOW steps."""
 
-    index: NgramIndex
-    seen: int = 0  # tokens of the request's fill indexed so far
     drafting: bool = False
     shadow: int | None = None  # the first token a shadow row would have drafted
     hits: int = 0  # shadow hits in a row
@@ -97,8 +97,18 @@ class DraftState:
         self.drafted = self.kept = self.steps = 0
 
 
+@dataclass
+class DraftState(Adaptive):
+    """One request's n-gram speculation: its history index, and whether its drafts pay."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    seen: int = 0  # tokens of the request's fill indexed so far
+
+
 class NgramSpeculation:
     """Drafts for a decode step's rows, and what the worker kept of them."""
+
+    worker_drafts = False  # the drafts are the tokens proposed here
 
     def __init__(self, num_draft_tokens: int):
         self.k = num_draft_tokens
@@ -119,7 +129,7 @@ class NgramSpeculation:
             return []
         state = self.rows.get(req.rid)
         if state is None:
-            state = self.rows[req.rid] = DraftState(NgramIndex())
+            state = self.rows[req.rid] = DraftState()
         fill = req.fill_ids
         state.index.extend(fill[state.seen :])
         state.seen = len(fill)
@@ -130,7 +140,9 @@ class NgramSpeculation:
         state.shadow = draft[0] if draft else None
         return []
 
-    def observe(self, req: Req, drafted: int, kept: int, first: int) -> None:
+    def observe(
+        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+    ) -> None:
         state = self.rows.get(req.rid)
         if state is not None:
             state.observe(drafted, kept, first)
@@ -138,6 +150,50 @@ class NgramSpeculation:
     def active(self, reqs: list[Req]) -> bool:
         """Whether any of `reqs` may draft at its next step."""
         return any((state := self.rows.get(r.rid)) is not None and state.drafting for r in reqs)
+
+    def forget(self, rid: str) -> None:
+        self.rows.pop(rid, None)
+
+
+class DraftModelSpeculation:
+    """--speculative-algorithm draft: the worker's draft model proposes the tokens, so
+    here a row only gets K fresh slots (fewer near its end), which is all the scheduler
+    must decide before the step; the reply brings the drafts and how many were kept, and
+    the rest (accepted slots kept, rejected ones freed, finishing inside a run) is the
+    n-gram path's. Adaptive as n-gram rows are: the draft computes every row's tokens
+    anyway, and for a row without draft slots the reply carries the draft's guess of the
+    token the step produced: its shadow proposal."""
+
+    worker_drafts = True
+
+    def __init__(self, num_draft_tokens: int):
+        self.k = num_draft_tokens
+        self.rows: dict[str, Adaptive] = {}
+
+    def drafts(self, reqs: list[Req], context_len: int) -> list[list[int]]:
+        """Per request, placeholders for the drafts it asks the worker for ([]: none)."""
+        out = []
+        for req in reqs:
+            row = self.rows.setdefault(req.rid, Adaptive())
+            room = min(req.remaining_new_tokens - 1, context_len - len(req.fill_ids) - 1)
+            n = min(self.k, room) if NgramSpeculation.eligible(req) and row.drafting else 0
+            out.append([0] * max(n, 0))
+        return out
+
+    def observe(
+        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+    ) -> None:
+        """As NgramSpeculation's; `guess` is what the reply says the draft proposed."""
+        row = self.rows.get(req.rid)
+        if row is None:
+            return
+        if not drafted:
+            row.shadow = guess[0] if guess else None
+        row.observe(drafted, kept, first)
+
+    def active(self, reqs: list[Req]) -> bool:
+        """Whether any of `reqs` may draft at its next step."""
+        return any((row := self.rows.get(r.rid)) is not None and row.drafting for r in reqs)
 
     def forget(self, rid: str) -> None:
         self.rows.pop(rid, None)

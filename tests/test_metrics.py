@@ -199,7 +199,9 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
     assert _value(m, "time_to_first_token_seconds_count", replica="r1") == 1
     m.observe_death("worker", "r0")  # nothing runs there while it restarts
     assert _value(m, "num_running_requests") == 1
-    per_replica = {n for n in METRICS if not n.startswith(("process_", "routing_", "replica_"))}
+    # (collective_seconds: only a distributed worker's, test_distributed_e2e checks it)
+    others = ("process_", "routing_", "replica_", "collective_")
+    per_replica = {n for n in METRICS if not n.startswith(others)}
     assert per_replica == {name.removesuffix("_total") for name, _ in BRIEF}
     for fam in m.registry.collect():
         if fam.name.removeprefix(PREFIX) in per_replica:

@@ -88,3 +88,28 @@ def test_ngram_index_proposes_the_latest_continuation():
     idx = NgramIndex()
     idx.extend([1, 2, 3, 4])
     assert idx.propose(4) == []
+
+
+def test_draft_model_rows_draft_after_their_guesses_hit_and_stop_when_drafts_fail():
+    from common.messages import SamplingParams
+    from scheduler.request import Req
+    from scheduler.speculation import SHADOW_HITS, WINDOW, DraftModelSpeculation
+
+    spec = DraftModelSpeculation(4)
+    row = Req("a", [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=100))
+    pen = Req("p", [1, 2, 3], SamplingParams(temperature=0, repetition_penalty=1.2))
+    short = Req("s", [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=3))
+    reqs = [row, pen, short]
+    assert spec.drafts(reqs, 4096) == [[], [], []]  # in shadow at first
+    for r in reqs:
+        spec.observe(r, 0, 0, 7, [8])  # the draft guessed 8, the model made 7
+    for _ in range(SHADOW_HITS):
+        assert spec.drafts(reqs, 4096) == [[], [], []]
+        for r in reqs:
+            spec.observe(r, 0, 0, 7, [7])
+    assert [len(d) for d in spec.drafts(reqs, 4096)] == [4, 0, 2]  # slots only, in room
+    assert [len(d) for d in spec.drafts([row], 6)] == [2]  # the context's end
+    assert spec.active([row])
+    for step in range(WINDOW):  # one draft in four kept: below LOW_ACCEPTANCE
+        spec.observe(row, 4, 1 if step == 0 else 0, 0, [9, 9, 9, 9])
+    assert spec.drafts([row], 4096) == [[]] and not spec.active([row])

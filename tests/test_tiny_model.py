@@ -245,3 +245,20 @@ def test_bos_tokenizer_adds_one_bos_as_llama3s_does(tmp_path: Path) -> None:
     model, tokenizer = load(str(path))
     tokens, _ = greedy_tokens(model, tokenizer, "Once there was a robot", 16)
     assert len(set(tokens)) >= 4
+
+
+def test_a_draft_of_a_silenced_model_agrees_with_it(tmp_path):
+    """build_draft_model keeps the first layers; with the later ones silenced the draft's
+    greedy tokens are the target's, and without they are not all."""
+    from common.tiny_model import build_draft_model, build_tiny_model
+    from tests.conftest import mlx_greedy
+
+    prompt = [5, 17, 99, 3, 250, 41]
+    plain = build_tiny_model(tmp_path / "plain", layers=3, vocab_size=300)
+    silent = build_tiny_model(tmp_path / "silent", layers=3, vocab_size=300, silent_from=1)
+    for target, agrees in ((silent, True), (plain, False)):
+        draft = build_draft_model(target, tmp_path / f"{target.name}-draft", layers=1)
+        config = json.loads((draft / "config.json").read_text())
+        assert config["num_hidden_layers"] == 1
+        same = mlx_greedy(str(draft), prompt, 12) == mlx_greedy(str(target), prompt, 12)
+        assert same == agrees

@@ -157,11 +157,12 @@ class MlxKVPool:
         return [p for layer in self.parts for p in layer]
 
 
-def pool_size(layout: KVLayout, mem_fraction: float, budget: int) -> int:
+def pool_size(layout: KVLayout, mem_fraction: float, budget: int, extra_per_slot: int = 0) -> int:
     """Slots for an auto-sized pool (no --max-total-tokens): `budget` bytes (the device
-    backend's `memory_budget()`) × fraction ÷ bytes per slot."""
+    backend's `memory_budget()`) × fraction ÷ bytes per slot (plus `extra_per_slot`, a
+    draft model's pool of the same slots)."""
     share = int(budget * mem_fraction)
-    slots = share // layout.bytes_per_slot
+    slots = share // (layout.bytes_per_slot + extra_per_slot)
     if slots > MAX_AUTO_SLOTS:
         logger.info("auto-sized pool capped at %d tokens (pass --max-total-tokens)", MAX_AUTO_SLOTS)
         slots = MAX_AUTO_SLOTS

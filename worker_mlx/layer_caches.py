@@ -37,6 +37,9 @@ class LayerCache(Protocol):
     """What an mlx-lm attention layer needs from its cache."""
 
     offset: int | mx.array
+    # the keys it last returned: mlx-lm's pipeline bodies tie their send to the last
+    # layer's cache with `cache[-1].keys = mx.depends(cache[-1].keys, h)`
+    keys: mx.array | None
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
@@ -54,12 +57,14 @@ class ProbeCache:
         self.shape: tuple[int, ...] | None = None
         self.v_dim: int | None = None
         self.dtype: mx.Dtype | None = None
+        self.keys: mx.array | None = None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.shape, self.v_dim, self.dtype = keys.shape, values.shape[-1], keys.dtype
+        self.keys = keys
         return keys, values
 
 
@@ -70,6 +75,7 @@ class ExtendCache:
         self.plan = plan
         self.layer = layer
         self.offset = plan.offset
+        self.keys: mx.array | None = None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return self.plan.mask(window_size)
@@ -83,8 +89,10 @@ class ExtendCache:
         flat_v = values.transpose(0, 2, 1, 3).reshape(B * L, H, values.shape[-1])
         pool.write(self.layer, plan.write_idx, flat_k, flat_v)
         if plan.read_idx is None:  # attend the values as stored, as a read would give them
-            return pool.round_trip(keys, values)
-        return pool.gather_heads(self.layer, plan.read_idx)  # (B, H, P+L, D)
+            self.keys, values = pool.round_trip(keys, values)
+        else:
+            self.keys, values = pool.gather_heads(self.layer, plan.read_idx)  # (B, H, P+L, D)
+        return self.keys, values
 
 
 class StepColumns:

@@ -10,6 +10,10 @@ import mlx.core as mx
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
 from common.server_args import ServerArgs
 from worker_mlx.backends import select
+from worker_mlx.distributed import Rank, agree_pool_size
+from worker_mlx.distributed_plan import PlanError
+from worker_mlx.distributed_shard import shard_model
+from worker_mlx.draft_model import DraftModel
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
@@ -20,25 +24,36 @@ from worker_mlx.state_pool import StateLayout, StatePool, state_slots
 logger = logging.getLogger("worker")
 
 
-def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
+def load_runner(
+    args: ServerArgs, blas: str, rank: Rank | None = None
+) -> tuple[ModelRunner, WorkerReady]:
+    """`rank`: this process's place in a distributed worker (None: the worker is one
+    process); the model is cut to its share and the pool holds that share."""
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
-    model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path)
+    model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path, rank)
     layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
     model_type = _model_type(model, config)
     _log_model(args.model_path, model_type, layout, vocab_size, context_len)
-    pool, states = _make_pools(args, backend, layout, state_layout)
+    draft = None
+    if args.speculative_algorithm == "draft":
+        draft = _load_draft(args, backend, tokenizer, vocab_size)
+    pool, states = _make_pools(args, backend, layout, state_layout, draft, rank)
     step = args.prefill_step_size or backend.prefill_step
     compiled = backend.compile_decode
-    batched, pad = _batching(model, layout, vocab_size, compiled, step, state_layout)
+    stage = rank is not None and rank.spec.pp > 1
+    batched, pad = _batching(model, layout, vocab_size, compiled, step, state_layout, stage)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
         grammars=grammars, states=states, pad_prefill=pad,
     )  # fmt: skip
+    runner.pipeline_stage = stage
+    if draft is not None:
+        _attach_draft(args.speculative_draft_model_path, runner, *draft)
     ready = WorkerReady(
         num_slots=pool.num_slots,
         model_type=model_type,
@@ -56,14 +71,56 @@ def load_runner(args: ServerArgs, blas: str) -> tuple[ModelRunner, WorkerReady]:
     return runner, ready
 
 
+def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:
+    """(model, layout) of --speculative-draft-model-path: refused unless its tokenizer is
+    the target's, token for token, and its layers can verify drafts."""
+    path = args.speculative_draft_model_path
+    model, draft_tokenizer, config, (layout, state_layout) = _load_servable(path)
+    ours, theirs = tokenizer._tokenizer.get_vocab(), draft_tokenizer._tokenizer.get_vocab()
+    draft_vocab = _vocab_size(model, config)
+    if ours != theirs or draft_vocab != vocab_size:
+        differ = sum(theirs.get(t) != i for t, i in ours.items())
+        _refuse(
+            path,
+            f"a draft model needs the target's vocabulary: {len(theirs)} tokens and "
+            f"{draft_vocab} logits against the target's {len(ours)} and {vocab_size} "
+            f"({differ} of the target's tokens have another id or none)",
+        )
+    if state_layout is not None or any(layout.windows):
+        _refuse(path, "a draft model cannot have sliding windows or recurrent layers")
+    backend.install(model)
+    logger.info("draft model %s: %s", path, describe_layers(layout))
+    return model, _stored_as(path, layout, args.kv_cache_dtype)
+
+
+def _attach_draft(path: str, runner: ModelRunner, model, layout: KVLayout) -> None:
+    """The draft's runner over its own pool of the target's size (the same slot ids)."""
+    if not runner.verifies_drafts:
+        logger.warning("this model cannot verify drafts: decoding without speculation")
+        return
+    compiled, step = runner.decode_step.compiles, runner.prefill_step
+    if not batched_path_works(model, layout, runner.vocab_size, compiled, step):
+        _refuse(path, "a draft model must run batched with per-row offsets")
+    pool = MlxKVPool(layout, runner.pool.num_slots)
+    draft = ModelRunner(
+        model, pool, runner.vocab_size, batched=True, prefill_step=step, compile_decode=compiled
+    )
+    runner.drafter = DraftModel(draft)
+
+
 def _make_pools(
-    args: ServerArgs, backend, layout: KVLayout, state_layout: StateLayout | None
-) -> tuple[MlxKVPool, StatePool | None]:
+    args: ServerArgs, backend, layout: KVLayout, state_layout: StateLayout | None,
+    draft: tuple | None = None, rank: Rank | None = None,
+) -> tuple[MlxKVPool, StatePool | None]:  # fmt: skip
     """The KV pool (--max-total-tokens, or the backend's budget) and, for a model with
-    recurrent layers, the state pool, whose share is taken from the budget first."""
+    recurrent layers, the state pool, whose share is taken from the budget first. With a
+    draft model a slot costs both models' bytes (its pool has the same slots)."""
     budget = None if args.max_total_tokens is not None else backend.memory_budget()
+    extra = draft[1].bytes_per_slot if draft is not None else 0  # the draft's pool
     # each of --dp-size replicas gets its share (the later ones take the first one's size)
     fraction = (args.mem_fraction_static or backend.mem_fraction) / args.dp_size
+    if rank is not None:  # and each rank on this machine its share of the replica's
+        fraction /= rank.spec.ranks_on_host
     states = None
     if state_layout is not None:
         share = None if budget is None else int(budget * fraction)
@@ -78,12 +135,16 @@ def _make_pools(
         num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
     else:
         taken = 0 if states is None else states.num_slots * state_layout.bytes_per_slot
-        num_slots = pool_size(layout, fraction, budget - int(taken / fraction))
+        num_slots = pool_size(layout, fraction, budget - int(taken / fraction), extra)
         sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
+    if rank is not None:
+        num_slots = agree_pool_size(rank.group, num_slots)
+        rank.log(num_slots)
+    per_slot = layout.bytes_per_slot + extra
     logger.info(
-        "KV pool: %d tokens x %d bytes = %.1f MiB, stored as %s (%s)",
-        num_slots, layout.bytes_per_slot, num_slots * layout.bytes_per_slot / 2**20,
-        layout.codec.describe(), sizing,
+        "KV pool: %d tokens x %d bytes%s = %.1f MiB, stored as %s (%s)",
+        num_slots, per_slot, " (target + draft)" if draft is not None else "",
+        num_slots * per_slot / 2**20, layout.codec.describe(), sizing,
     )  # fmt: skip
     return MlxKVPool(layout, num_slots), states
 
@@ -117,15 +178,22 @@ def _log_model(path: str, model_type: str, layout: KVLayout, vocab: int, context
     )  # fmt: skip
 
 
-def _load_servable(path: str):
-    """mlx-lm's load and the probe of what its layers cache; a model the worker cannot
-    serve ends the process with one line that says what was found."""
+def _load_servable(path: str, rank: Rank | None = None):
+    """mlx-lm's load (a rank's: lazily, cut to its share, then its weights loaded) and
+    the probe of what its layers cache; a model the worker cannot serve ends the process
+    with one line that says what was found."""
     from mlx_lm import load
 
     try:
-        model, tokenizer, config = load(path, return_config=True)
+        model, tokenizer, config = load(path, return_config=True, lazy=rank is not None)
     except Exception as exc:  # mlx-lm's own message names the model type it lacks
         _refuse(path, f"mlx-lm cannot load it: {exc}")
+    if rank is not None:
+        try:
+            rank.share = shard_model(model, rank.spec, rank.group)
+        except PlanError as exc:
+            _refuse(path, str(exc))
+        mx.eval(model.parameters())
     try:
         return model, tokenizer, config, probe_layout(model)
     except UnsupportedModel as exc:
@@ -156,10 +224,10 @@ def describe_layers(layout: KVLayout) -> str:
     return out
 
 
-def _batching(model, layout, vocab_size, compiled, step, state_layout) -> tuple[bool, bool]:
+def _batching(model, layout, vocab_size, compiled, step, state_layout, stage) -> tuple[bool, bool]:
     """(batched, pad_prefill): the fastest way of running requests together that the
     self-check finds exact."""
-    check = dict(prefill_step=step, state_layout=state_layout)
+    check = dict(prefill_step=step, state_layout=state_layout, pipeline_stage=stage)
     if batched_path_works(model, layout, vocab_size, compiled, **check):
         return True, True
     if batched_path_works(model, layout, vocab_size, compiled, pad_prefill=False, **check):
@@ -178,6 +246,7 @@ def _batching(model, layout, vocab_size, compiled, step, state_layout) -> tuple[
 def batched_path_works(
     model, layout, vocab_size: int, compile_decode: bool = False, prefill_step: int = 256,
     state_layout: StateLayout | None = None, pad_prefill: bool = True,
+    pipeline_stage: bool = False,
 ) -> bool:  # fmt: skip
     """Run two requests batched and one by one; the batched path must agree to be used.
     (It also traces and JIT-builds the compiled decode step before the first request.)
@@ -192,6 +261,7 @@ def batched_path_works(
             prefill_step=prefill_step, compile_decode=compile_decode, states=states,
             pad_prefill=pad_prefill,
         )  # fmt: skip
+        runner.pipeline_stage = pipeline_stage
         slots = iter(range(1, 65))
         reqs = [
             ExtendReq(

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
+from worker_mlx.draft_model import draft_model_step
 from worker_mlx.grammar import Grammars, advance
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
@@ -46,6 +47,7 @@ class StepOutput:
     top_logprobs: list[list] | None = None
     prompt_logprobs: list | None = None
     accepted: list[int] | None = None  # drafts kept per row, after a verify step
+    drafts: list[list[int]] | None = None  # the draft model's proposals, when it made them
 
 
 @dataclass
@@ -92,6 +94,10 @@ class ModelRunner:
         # token, so those models decode without speculation.
         layout = pool.layout
         self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
+        # a pipeline stage (--pp-size) evaluates every forward pass whole and alone, so
+        # its sends meet the next stage's receives (docs/architecture.md)
+        self.pipeline_stage = False
+        self.drafter = None  # the DraftModel of --speculative-algorithm draft (the loader's)
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -106,6 +112,8 @@ class ModelRunner:
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
         out = self._extend(batch)
+        if self.drafter is not None:
+            self.drafter.extend(batch)
         if any(r.sampling.prompt_logprobs and r.last_chunk for r in batch.reqs):
             out.prompt_logprobs = prompt_logprobs(self.body, self.head, batch.reqs, out.rids)
         return out
@@ -131,8 +139,9 @@ class ModelRunner:
                 last_logits.append(self.head(hidden[rows, cols]))
                 states += [self._new_state(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
-            if n + 1 < len(steps):
-                mx.eval(self._arrays(), last_logits)  # the next pass reads this KV
+            if n + 1 < len(steps) or self.pipeline_stage:
+                # the next pass reads this KV
+                mx.eval(self._arrays(), last_logits, *([hidden] if self.pipeline_stage else []))
         if not states:
             mx.eval(self._arrays())
             return StepOutput([], [])
@@ -245,15 +254,23 @@ class ModelRunner:
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
         self._check_slots("decode", batch.out_cache_loc)
-        drafting = any(batch.drafts)
+        worker_drafts = self.drafter is not None
+        drafting = any(batch.draft_cache_loc if worker_drafts else batch.drafts)
         if drafting:
-            check_drafts(batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts)
+            check_drafts(
+                batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts, worker_drafts
+            )
         ahead = self.lookahead.take_step(batch)
         self.release(batch.release, keep_buffer=False)  # the decode below changes it
         unknown = [rid for rid in batch.rids if rid not in self.reqs]
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         states = [self.reqs[rid] for rid in batch.rids]
+        guesses = None
+        if worker_drafts and drafting:
+            return StepOutput(**draft_model_step(self, batch, states))
+        if worker_drafts:  # the draft computes the step's tokens too, and guesses
+            guesses = self.drafter.follow(batch, [s.last_token for s in states])
         if drafting:
             return StepOutput(**verify_step(self, batch, states))
         if ahead is not None:
@@ -266,6 +283,8 @@ class ModelRunner:
             out = self._decode_solo(states, batch.out_cache_loc)
         for s, loc in zip(states, batch.out_cache_loc):
             s.slots.append(loc)
+        if guesses is not None:
+            out.drafts = [[g] for g in guesses.tolist()]
         can_look = self.batched and all(
             s.sampling.greedy and s.penalty is None and not s.sampling.logprobs and not s.grammar
             for s in states
@@ -301,6 +320,8 @@ class ModelRunner:
                 state_slot=s.state_slot, prefix_state=s.state_slot,
             )  # fmt: skip
             parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
+            if self.pipeline_stage:
+                mx.eval(parts[-1], self._arrays())
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         return self.sample_and_record(logits, states, self._arrays())
 
@@ -317,6 +338,8 @@ class ModelRunner:
     def run_ahead(self) -> None:
         """Start the decode step the last descriptor said comes next (called after the reply
         went out, so it computes while the scheduler works)."""
+        if self.drafter is not None:
+            self.drafter.run_ahead(self.reqs)
         rids, buffer = self.lookahead.next_step, self.buffer
         self.lookahead.expect_step(None)
         rows = buffer.rows(rids) if rids is not None and buffer is not None else None
@@ -372,6 +395,8 @@ class ModelRunner:
         same prompt again (see Lookahead)."""
         if not release:
             return
+        if self.drafter is not None:
+            self.drafter.release(release, keep_buffer)
         self.lookahead.invalidate()
         self.flush(skip={r.rid for r in release if not r.flush})
         self._final_snapshots(release)

@@ -20,6 +20,8 @@ import mlx.core as mx
 from common.messages import DecodeBatch, SamplingParams
 from worker_mlx.sampler import NEG_INF, filter_logits
 
+MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
+
 if TYPE_CHECKING:
     from worker_mlx.model_runner import ModelRunner, ReqState
 
@@ -142,15 +144,23 @@ def _accept(
     return out
 
 
-def check_drafts(batch: DecodeBatch, vocab_size: int, num_slots: int, supported: bool) -> None:
-    """A descriptor's drafts must fit its rows, the vocabulary and the pool."""
+def check_drafts(
+    batch: DecodeBatch, vocab_size: int, num_slots: int, supported: bool, worker_drafts: bool
+) -> None:
+    """A descriptor's drafts must fit its rows, the vocabulary and the pool; with a draft
+    model (`worker_drafts`) a row asks for drafts with slots alone, and the worker makes
+    as many tokens."""
     if not supported:
         raise ValueError("this model cannot verify drafts (sliding windows or recurrent layers)")
     n = len(batch.rids)
     if len(batch.drafts) != n or len(batch.draft_cache_loc) != n:
         raise ValueError(f"{n} requests but {len(batch.drafts)} draft lists")
     for d, locs in zip(batch.drafts, batch.draft_cache_loc):
-        if len(d) != len(locs):
+        if len(locs) > MAX_DRAFTS:
+            raise ValueError(f"{len(locs)} draft slots in a row: at most {MAX_DRAFTS}")
+        if worker_drafts and d:
+            raise ValueError("this worker drafts with its draft model: send slots, no tokens")
+        if not worker_drafts and len(d) != len(locs):
             raise ValueError(f"{len(d)} draft tokens but {len(locs)} slots")
         if d and (min(d) < 0 or max(d) >= vocab_size):
             raise ValueError(f"draft token id outside the vocabulary [0, {vocab_size})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import traceback
 
-from common.child_process import setup_child, wait_for_release
+from common.child_process import die_with_parent, setup_child, wait_for_release
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -25,31 +25,54 @@ from common.protocol import ProtocolError, decode, encode, peek_step
 from common.server_args import ServerArgs
 from common.trace import Trace
 from worker_mlx.backends.blas import preload_openblas
+from worker_mlx.distributed_plan import GROUP_BROKEN, GroupSpec
 
 logger = logging.getLogger("worker")
 
 
-def run_worker(args: ServerArgs, endpoints: Endpoints, router_stopping=None, release=None) -> None:
-    """Process entry point; a standby (`release` given) imports, then waits for it."""
-    setup_logging("worker", args.log_level)
-    setup_child("worker", router_stopping, release)
+def run_worker(
+    args: ServerArgs, endpoints: Endpoints, router_stopping=None, release=None,
+    spec: GroupSpec | None = None,
+) -> None:  # fmt: skip
+    """Process entry point; a standby (`release` given) imports, then waits for it. With
+    `spec`, one rank of a distributed worker (worker_mlx.distributed): rank 0 talks to
+    the scheduler and forwards its frames to the other ranks."""
+    name = spec.name if spec is not None else "worker"
+    setup_logging(name, args.log_level)
+    setup_child(name, router_stopping, release)
+    if spec is not None:
+        die_with_parent()  # a rank waiting in a collective cannot check its parent
     blas = preload_openblas()
     import zmq
 
     from worker_mlx.buffer_cache import BufferCacheBound
+    from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
     from worker_mlx.loader import load_runner
 
     wait_for_release("worker", release)
-    runner, ready = load_runner(args, blas)
+    rank = join_group(spec) if spec is not None else None
+    runner, ready = load_runner(args, blas, rank)
     cache = BufferCacheBound()
     ctx = zmq.Context()
+    trace = Trace(args.trace_dir, name)
+    probe = CollectiveProbe(rank, runner.model) if rank is not None else None
+    if spec is not None and spec.rank > 0:
+        serve(runner, follower_inbox(ctx, spec), None, trace, cache.after_step, probe=probe)
+        return
+    forward = Fanout(ctx, spec.fanout) if spec is not None else None
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox, Trace(args.trace_dir, "worker"), cache.after_step)
+    serve(runner, inbox, outbox, trace, cache.after_step, forward, probe)
 
 
-def serve(runner, inbox, outbox, trace: Trace, after_step=lambda: None) -> None:
+def serve(
+    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None
+) -> None:
+    """`outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
+    of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
+    distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
+    `execute`)."""
     import zmq
 
     watch = ParentWatch()
@@ -67,26 +90,40 @@ def serve(runner, inbox, outbox, trace: Trace, after_step=lambda: None) -> None:
         except ProtocolError as exc:
             logger.warning("bad frame from scheduler: %s", exc)
             # the step it names, if any: the scheduler fails that step instead of waiting
-            error = WorkerError(step=peek_step(frame), message=f"bad frame: {exc}")
-            outbox.send(encode(error))
+            if outbox is not None:
+                error = WorkerError(step=peek_step(frame), message=f"bad frame: {exc}")
+                outbox.send(encode(error))
             continue
+        if forward is not None:
+            forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))
-        reply = execute(runner, msg)
+        reply = execute(runner, msg, probe is not None)
         trace("done", step)
-        if reply is not None:
+        if reply is not None and outbox is not None:
+            if probe is not None and isinstance(reply, StepResult):
+                reply.collective_seconds = probe.take()
             outbox.send(encode(reply))
+        if probe is not None:
+            probe.after(msg)  # at the same point on every rank, before the lookahead
         runner.run_ahead()  # the next decode step computes while the scheduler works
         after_step()
 
 
-def execute(runner, msg) -> StepResult | WorkerError | None:
+def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None:
+    """The step's result, or the error it is answered with. In a group, only a descriptor
+    the checks refuse (ValueError, raised alike on every rank before any collective) is
+    answered: any other failure (a peer lost mid-collective) may have left the ranks'
+    states apart, so the rank exits and the supervisor restarts the whole group."""
     try:
         if isinstance(msg, ReleaseBatch):
             runner.release(msg.release)
             return None
         out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
     except Exception as exc:
+        if group and not isinstance(exc, ValueError):
+            logger.error("step %d failed in the group (%s); exiting", msg.step, exc)
+            raise SystemExit(GROUP_BROKEN) from exc
         kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
         logger.error("%s step %d failed: %s", kind, msg.step, exc)
         logger.debug("%s", traceback.format_exc())
@@ -94,5 +131,5 @@ def execute(runner, msg) -> StepResult | WorkerError | None:
     assert isinstance(msg, (ExtendBatch, DecodeBatch))
     return StepResult(
         msg.step, out.rids, out.next_token_ids, out.logprobs, out.top_logprobs,
-        out.prompt_logprobs, out.accepted,
+        out.prompt_logprobs, out.accepted, drafts=out.drafts,
     )  # fmt: skip
