@@ -151,7 +151,9 @@ def _replica_pid(example: Example, port: int) -> int:
 def test_a_killed_replica_is_out_within_2_s_the_other_serves_and_it_rejoins(example, tiny_model):
     os.kill(_replica_pid(example, example.rport), signal.SIGKILL)
     killed = time.monotonic()
-    while _states(example.url)["r0"] != "down":
+    # out: down, or already starting when the script's restart answers at once (the
+    # router's "down" then lasts only until that answer)
+    while _states(example.url)["r0"] == "ready":
         assert time.monotonic() - killed < 5, _states(example.url)
         time.sleep(0.05)
     assert time.monotonic() - killed < 2.0  # the bound
