@@ -25,6 +25,7 @@ import tempfile
 import mlx.core as mx
 
 from common.ipc import free_ports
+from worker_mlx.backends.blas import rank_threads
 from worker_mlx.distributed import Rank, replay_collectives
 from worker_mlx.distributed_plan import GroupSpec, write_loopback_hostfile
 
@@ -57,10 +58,11 @@ def launch(argv: list[str], size: int, result_file: str) -> list[dict]:
 
 def run_ranks(module: str, argv: list[str], size: int) -> None:
     """`python -m module argv` as `size` ranks on a loopback ring, with the env mlx.launch
-    sets (and RANKS_DIR, a directory they share); rank 0's output only."""
+    sets (and RANKS_DIR, a directory they share) and the cores split as the server's
+    ranks split them; rank 0's output only."""
     with tempfile.TemporaryDirectory(prefix="radix-mlx-ranks-") as tmp:
         hostfile = write_loopback_hostfile(tmp, free_ports(size))
-        env = dict(os.environ, MLX_HOSTFILE=hostfile, RANKS_DIR=tmp)
+        env = dict(os.environ, MLX_HOSTFILE=hostfile, RANKS_DIR=tmp, **rank_threads(size))
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", module, *argv],

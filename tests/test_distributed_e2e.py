@@ -55,6 +55,9 @@ def test_start_up_names_every_rank_and_its_share(group):
     for rank in (0, 1):
         assert f"rank {rank} of 2 ({kind} parallel, backend ring) on 127.0.0.1 holds" in log
     assert srv.child("worker") and srv.child("worker-1")
+    if "OpenBLAS" in log and "OPENBLAS_NUM_THREADS" not in os.environ:  # the cores split
+        threads = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert log.count(f", {threads} thread(s))") == 2, log
 
 
 def test_cold_repeat_shared_prefix_and_multi_turn_are_token_exact(group):

@@ -42,7 +42,7 @@ def run_worker(
     setup_child(name, router_stopping, release)
     if spec is not None:
         die_with_parent()  # a rank waiting in a collective cannot check its parent
-    blas = preload_openblas()
+    blas = preload_openblas(spec.ranks_on_host if spec is not None else 1)
     import zmq
 
     from worker_mlx.buffer_cache import BufferCacheBound
