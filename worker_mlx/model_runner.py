@@ -15,6 +15,7 @@ import mlx.nn as nn
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
+from worker_mlx.descriptor_checks import check_extend, check_slots
 from worker_mlx.draft_model import draft_model_step
 from worker_mlx.grammar import Grammars, advance
 from worker_mlx.kv_pool import MlxKVPool
@@ -204,36 +205,10 @@ class ModelRunner:
         return self.pool.arrays() + (self.states.all() if self.states is not None else [])
 
     def _check_extend(self, r: ExtendReq) -> None:
-        if not r.input_ids:
-            raise ValueError(f"{r.rid}: extend with no input tokens")
-        if len(r.out_cache_loc) != len(r.input_ids):
-            raise ValueError(f"{r.rid}: {len(r.input_ids)} tokens but {len(r.out_cache_loc)} slots")
         if r.rid in self.reqs:
             raise ValueError(f"{r.rid}: extend for a request that is already decoding")
-        self._check_slots(r.rid, r.prefix_slot_ids)
-        self._check_slots(r.rid, r.out_cache_loc)
-        self._check_states(r)
-        if min(r.input_ids) < 0 or max(r.input_ids) >= self.vocab_size:
-            raise ValueError(f"{r.rid}: token id outside the vocabulary [0, {self.vocab_size})")
-        r.sampling.validate(self.vocab_size)
-
-    def _check_states(self, r: ExtendReq) -> None:
-        n = self.states.num_slots if self.states is not None else 0
-        snaps = [slot for _, slot in r.snapshots]
-        if not n:
-            if r.state_slot or r.prefix_state or snaps:
-                raise ValueError(f"{r.rid}: state slots for a model without recurrent layers")
-            return
-        if not 1 <= r.state_slot <= n or not all(1 <= s <= n for s in snaps):
-            raise ValueError(f"{r.rid}: state slot outside [1, {n}]")
-        if not 0 <= r.prefix_state <= n or (r.prefix_slot_ids and not r.prefix_state):
-            raise ValueError(f"{r.rid}: a prefix needs the state slot of its recurrent state")
-        if not all(1 <= at <= len(r.input_ids) for at, _ in r.snapshots):
-            raise ValueError(f"{r.rid}: a snapshot outside its {len(r.input_ids)} tokens")
-
-    def _check_slots(self, rid: str, slots: list[int]) -> None:
-        if slots and (min(slots) < 1 or max(slots) > self.pool.num_slots):
-            raise ValueError(f"{rid}: slot id outside the pool [1, {self.pool.num_slots}]")
+        state_slots = self.states.num_slots if self.states is not None else 0
+        check_extend(r, self.pool.num_slots, state_slots, self.vocab_size)
 
     def _new_state(self, r: ExtendReq) -> ReqState:
         key = None
@@ -253,7 +228,7 @@ class ModelRunner:
     def decode(self, batch: DecodeBatch) -> StepOutput:
         if len(batch.out_cache_loc) != len(batch.rids):
             raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
-        self._check_slots("decode", batch.out_cache_loc)
+        check_slots("decode", batch.out_cache_loc, self.pool.num_slots)
         worker_drafts = self.drafter is not None
         drafting = any(batch.draft_cache_loc if worker_drafts else batch.drafts)
         if drafting:
