@@ -79,13 +79,18 @@ class KVLayout:
         kv_it, state_it = iter(kv), iter(states)
         total = self.num_layers + len(self.recurrent)
         flat = [next(state_it) if i in self.recurrent else next(kv_it) for i in range(total)]
-        if not self.groups:
-            return flat
-        grouped, start = [], 0
-        for n in self.groups:
-            grouped.append(CacheList(*flat[start : start + n]))
-            start += n
-        return grouped
+        return grouped(flat, self.groups)
+
+
+def grouped(caches: list, groups: tuple[int, ...]) -> list:
+    """`caches` as CacheLists of the `groups` sizes, in order (as they are when ())."""
+    if not groups:
+        return caches
+    out, start = [], 0
+    for n in groups:
+        out.append(CacheList(*caches[start : start + n]))
+        start += n
+    return out
 
 
 class MlxKVPool:

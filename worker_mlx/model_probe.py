@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_cache
 
-from worker_mlx.kv_pool import KVLayout
+from worker_mlx.kv_pool import KVLayout, grouped
 from worker_mlx.layer_caches import ProbeCache
 from worker_mlx.state_pool import StateLayout
 
@@ -82,12 +82,8 @@ def probe_layout(model: nn.Module) -> tuple[KVLayout, StateLayout | None]:
     if len(recurrent) == len(kinds):
         raise UnsupportedModel("it has no attention layer (a pure recurrent model)")
     caches = [mlx_cache.ArraysCache(size=2) if k is RECURRENT else ProbeCache() for k in kinds]
-    grouped = caches
-    if groups:
-        starts = [sum(groups[:i]) for i in range(len(groups))]
-        grouped = [mlx_cache.CacheList(*caches[s : s + n]) for s, n in zip(starts, groups)]
     try:
-        mx.eval(model(mx.array([[0]]), cache=grouped))
+        mx.eval(model(mx.array([[0]]), cache=grouped(caches, groups)))
     except (AttributeError, TypeError, IndexError) as exc:
         raise UnsupportedModel(f"its layers use their caches in a way not served ({exc})") from exc
     probes = [c for c in caches if isinstance(c, ProbeCache)]
