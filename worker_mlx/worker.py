@@ -130,6 +130,7 @@ def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None
         return WorkerError(step=msg.step, message=f"{kind} failed: {exc}")
     assert isinstance(msg, (ExtendBatch, DecodeBatch))
     return StepResult(
-        msg.step, out.rids, out.next_token_ids, out.logprobs, out.top_logprobs,
-        out.prompt_logprobs, out.accepted, drafts=out.drafts,
+        msg.step, out.rids, out.next_token_ids, logprobs=out.logprobs,
+        top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
+        accepted=out.accepted, drafts=out.drafts,
     )  # fmt: skip
