@@ -21,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+from common.tiny_presets import PRESETS
 from worker_mlx.backends.blas import preload_openblas
 
 preload_openblas()
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="model dir (default: --preset)")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--out", default="bench_results/grammar_mask.jsonl")

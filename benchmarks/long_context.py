@@ -25,6 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
+from common.tiny_presets import PRESETS
 from worker_mlx.backends.blas import preload_openblas
 
 BLAS = preload_openblas()
@@ -149,7 +150,7 @@ def _line(r: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="model dir (default: --preset)")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--context", type=int, default=32768, help="prompt tokens")
     p.add_argument("--chunked-prefill-size", type=int, default=2048, help="as the server flag")
     p.add_argument("--batch-size", type=int, default=4)

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.tiny_presets import PRESETS
 from worker_mlx.backends.blas import preload_openblas
 
 BLAS = preload_openblas()
@@ -341,7 +342,7 @@ def _append_jsonl(path: str, rows: list[dict]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="model dir or HF id (default: --preset)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, default=60)
     p.add_argument("--output-len", type=int, default=100)

@@ -28,6 +28,7 @@ from common.curve import generate_keys
 from common.ipc import free_ports
 from common.server_process import ServerProcess
 from common.tiny_model import ensure_tiny_model
+from common.tiny_presets import PRESETS
 
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
 METRICS = (("TTFT p50 ms", "median_ttft_ms"), ("ITL p50 ms", "median_itl_ms"),
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         else (argv, [])  # fmt: skip
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", help="default: the --preset tiny model, built offline")
-    p.add_argument("--preset", choices=["tiny", "small"], default="small")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-total-tokens", default="65536")
     args = p.parse_args(ours)

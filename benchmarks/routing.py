@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.records import WorkloadSpec
 from benchmarks.report import compute_metrics, format_table
 from benchmarks.serving import ManagedServer, bench_run, resolve_model, warm_up
+from common.tiny_presets import PRESETS
 from router.model_files import load_tokenizer
 
 BASELINE = "round_robin"
@@ -112,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model-path", help="any mlx-lm model directory (default: build --preset offline)")
-    a("--preset", choices=["tiny", "small"], default="tiny")
+    a("--preset", choices=sorted(PRESETS), default="tiny")
     a("--policy", choices=["cache_aware", "least_load"], default="cache_aware")
     a("--dp-size", type=int, default=2)
     a("--pool-tokens", type=int, default=12288, help="--max-total-tokens of each replica")

@@ -52,6 +52,7 @@ from benchmarks.workloads import (
 )
 from common.ipc import free_ports
 from common.server_process import ServerProcess
+from common.tiny_presets import PRESETS
 from router.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
@@ -311,7 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--zmq-address", help="with --base-url and --transport sdk: the SDK front door")
     a("--transport", choices=["http", "sdk"], default="http", help="for radix-mlx backends")
     a("--model-path", help="any mlx-lm model directory (default: build --preset offline)")
-    a("--preset", choices=["tiny", "small"], default="small")
+    a("--preset", choices=sorted(PRESETS), default="small")
     a("--loop", action="store_true", help="the preset built so its greedy outputs cycle")
     a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
     a("--dp-size", type=int, default=1, help="radix-mlx replicas (`radix-mlx serve --dp-size`)")

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 
+from common.tiny_presets import PRESETS
 from worker_mlx.backends.blas import preload_openblas
 
 BLAS = preload_openblas()
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", default=None, help="model dir (default: --preset)")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     p.add_argument("--k", type=int, default=4, help="drafts per row and verify step")
     p.add_argument("--prompt-len", type=int, default=256)

@@ -7,7 +7,7 @@ deterministic for a given seed so builds are reproducible byte for byte.
 
 Usage::
 
-    python -m common.tiny_model OUT [--preset tiny|small] [--arch qwen3|gemma3|...] [...]
+    python -m common.tiny_model OUT [--preset tiny|small|medium] [--arch qwen3|gemma3|...] [...]
 
 The families (``--arch``) and their layer layouts are in ``common/tiny_families.py``.
 """
@@ -30,6 +30,7 @@ from mlx_lm.utils import _get_classes as mlx_lm_model_classes
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from common.tiny_families import FAMILIES, family_config
+from common.tiny_presets import PRESETS
 from common.tiny_weights import random_weights
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,6 @@ CHAT_TEMPLATE = (
 BOS_CHAT_TEMPLATE = "{{- bos_token }}" + CHAT_TEMPLATE  # as Llama 3's template starts
 
 ARCHES = tuple(FAMILIES)
-
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128),
-    "small": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768),
-}
 
 
 def default_cache_dir() -> Path:
