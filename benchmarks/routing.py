@@ -11,8 +11,12 @@ Then the router overhead: the same workload at `--overhead-concurrency` streams,
 routing call's own CPU time read from `radix_mlx_routing_seconds` (sum / count) on
 /metrics (CPU, not wall time: on a shared machine the wall time of a 20 us call is mostly
 the OS running someone else).
-The tenants' prefixes together are sized to exceed one replica's pool (`--pool-tokens`),
-so that where a tenant's requests go decides what stays cached.
+Each replica's pool (`--pool-tokens`) holds, by default, 5/8 of the tenants' system
+prefixes: the pools together hold them all with room to spare (1.25x), one alone does not
+(0.62x). That is the case a cache-aware router is for (SGLang's gateway): where every
+replica could keep every prefix, routing would not matter; where two pools could not keep
+them either, no routing could keep them cached. Between the two, what stays cached is
+decided by where each tenant's requests go.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def routing_time(url: str) -> tuple[float, int]:
 async def one_run(args, model: str, tokenizer, policy: str, spec: WorkloadSpec,
                   concurrency: int, repeat: int) -> dict:  # fmt: skip
     extra = ["--dp-size", str(args.dp_size), "--routing-policy", policy,
-             "--max-total-tokens", str(args.pool_tokens), *args.server_args]  # fmt: skip
+             "--max-total-tokens", str(pool_tokens(args)), *args.server_args]  # fmt: skip
     server = ManagedServer("radix-mlx", model, Path(args.output_dir) / "logs", extra)
     ep = await asyncio.to_thread(server.start)
     try:
@@ -67,6 +71,11 @@ async def one_run(args, model: str, tokenizer, policy: str, spec: WorkloadSpec,
     decisions = max(1, after[1] - before[1])
     m["routing_ms"] = 1000 * (after[0] - before[0]) / decisions
     return m
+
+
+def pool_tokens(args) -> int:
+    """--pool-tokens, or 5/8 of the tenants' system prefixes (see the module's doc)."""
+    return args.pool_tokens or args.tenants * args.system_len * 5 // 8
 
 
 def _spec(args) -> WorkloadSpec:
@@ -95,9 +104,9 @@ async def run(args) -> int:
                              args.overhead_concurrency, args.repeats)  # fmt: skip
     failed += overhead["failed"]
     print(f"\n{args.policy} / {BASELINE}, {args.dp_size} replicas, multi-tenant "
-          f"({args.tenants} tenants x {args.requests_per_tenant}), concurrency "
-          f"{args.max_concurrency}; median of {args.repeats} repeats "
-          "(each repeat's ratio):")  # fmt: skip
+          f"({args.tenants} tenants x {args.requests_per_tenant}), pools of "
+          f"{pool_tokens(args)} tokens, concurrency {args.max_concurrency}; median of "
+          f"{args.repeats} repeats (each repeat's ratio):")  # fmt: skip
     for name, values in ratios.items():
         if not values:  # --repeats 0: the overhead run alone
             continue
@@ -116,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--preset", choices=sorted(PRESETS), default="tiny")
     a("--policy", choices=["cache_aware", "least_load"], default="cache_aware")
     a("--dp-size", type=int, default=2)
-    a("--pool-tokens", type=int, default=12288, help="--max-total-tokens of each replica")
+    a("--pool-tokens", type=int, help="--max-total-tokens of each replica "
+      "(default: 5/8 of tenants x system-len, 10,240 for the defaults)")  # fmt: skip
     a("--tenants", type=int, default=16)
     a("--requests-per-tenant", type=int, default=8)
     a("--system-len", type=int, default=1024)

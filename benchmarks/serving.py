@@ -80,6 +80,7 @@ class PlannedRun:
     backend: str
     spec: WorkloadSpec
     max_concurrency: int | None
+    loop: bool = False  # on the preset's looping build (see `SuiteLoad`)
 
 
 # --------------------------------------------------------------------------- servers
@@ -191,14 +192,15 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
     if args.suite:
         suite = standard_suite() if args.suite == "standard" else speculative_suite()
         return [
-            PlannedRun(b, spec, c)
-            for spec, concs, backends in suite
-            for b in backends
-            for c in concs
+            PlannedRun(b, load.spec, c, load.loop)
+            for load in suite
+            for b in load.backends
+            for c in load.concurrencies
         ]
     backends = BACKENDS[:3] if args.backend == ["all"] else tuple(args.backend)
     spec = spec_from_args(args)
-    return [PlannedRun(b, spec, c) for b in backends for c in args.max_concurrency or [None]]
+    concs = args.max_concurrency or [None]
+    return [PlannedRun(b, spec, c, args.loop) for b in backends for c in concs]
 
 
 def machine_info(model: str, args: argparse.Namespace) -> dict:
@@ -232,12 +234,12 @@ def _version(pkg: str) -> str:
         return "?"
 
 
-def resolve_model(args: argparse.Namespace) -> str:
+def resolve_model(args: argparse.Namespace, loop: bool | None = None) -> str:
     if args.model_path:
         return args.model_path
     from common.tiny_model import ensure_tiny_model
 
-    return str(ensure_tiny_model(preset=args.preset, loop=args.loop))
+    return str(ensure_tiny_model(preset=args.preset, loop=args.loop if loop is None else loop))
 
 
 async def run_backend(
@@ -298,7 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a(
         "--suite",
         choices=["standard", "speculative"],
-        help="the issue's target runs on the small model (speculative: its looping build)",
+        help="the issues' target runs (standard: on the small model; speculative: on the "
+        "medium one, see workloads.speculative_suite)",
     )
     a(
         "--backend",
@@ -312,7 +315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--zmq-address", help="with --base-url and --transport sdk: the SDK front door")
     a("--transport", choices=["http", "sdk"], default="http", help="for radix-mlx backends")
     a("--model-path", help="any mlx-lm model directory (default: build --preset offline)")
-    a("--preset", choices=sorted(PRESETS), default="small")
+    a("--preset", choices=sorted(PRESETS), help="default: medium with --suite speculative, "
+      "whose decode step is bound by reading weights as on a Mac; else small")  # fmt: skip
     a("--loop", action="store_true", help="the preset built so its greedy outputs cycle")
     a("--server-args", type=shlex.split, default=[], help="extra `radix-mlx serve` flags")
     a("--dp-size", type=int, default=1, help="radix-mlx replicas (`radix-mlx serve --dp-size`)")
@@ -372,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.suite else 1
-    args.loop = args.loop or args.suite == "speculative"
+    args.preset = args.preset or ("medium" if args.suite == "speculative" else "small")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
     if "radix-mlx-draft" in args.backend and not args.draft_model_path:
@@ -389,13 +393,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = resolve_model(args)
-    tokenizer = load_tokenizer(model)
     plan = plan_runs(args)
-    names = ", ".join(dict.fromkeys(p.backend for p in plan))
-    print(f"model {model}; {len(plan)} run(s) on {names}", flush=True)
     started = time.perf_counter()
-    results = asyncio.run(run_plan(plan, args, model, tokenizer))
+    results = []
+    for loop in dict.fromkeys(p.loop for p in plan):  # one model per build the plan uses
+        mine = [p for p in plan if p.loop == loop]
+        model = resolve_model(args, loop)
+        names = ", ".join(dict.fromkeys(p.backend for p in mine))
+        print(f"model {model}; {len(mine)} run(s) on {names}", flush=True)
+        results += asyncio.run(run_plan(mine, args, model, load_tokenizer(model)))
     status = report(results, args)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
     return status

@@ -43,7 +43,8 @@ def report(results: list[tuple[RunResult, dict]], args) -> int:
     print(f"\ncomparison{medians}:\n" + comparison_table(summary))
     if args.suite:
         targets = STANDARD_TARGETS if args.suite == "standard" else SPECULATIVE_TARGETS
-        print("\nissue targets (radix-mlx, small model; the median of the repeats' ratios):")
+        print(f"\nissue targets (radix-mlx, {args.preset} model; the median of the repeats' "
+              "ratios):")  # fmt: skip
         print("\n".join(check_targets(results, targets)))
     if not args.no_plots:
         for path in save_plots(summary, Path(args.output_dir)):

@@ -14,7 +14,7 @@ import pytest
 from benchmarks.plots import save_plots
 from benchmarks.records import RequestResult, RunResult, WorkloadSpec
 from benchmarks.report import REFERENCE, comparison_table, compute_metrics
-from benchmarks.serving import Endpoint, bench_run, load_tokenizer, main
+from benchmarks.serving import Endpoint, bench_run, load_tokenizer, main, parse_args, plan_runs
 from benchmarks.summary import Target, check_targets, median_over_repeats
 from benchmarks.workloads import PromptFactory, build_sessions
 
@@ -219,6 +219,16 @@ def test_targets_take_the_median_of_each_repeats_ratio():
     assert run.backend == "radix-mlx" and len(run.requests) == 12  # pooled over 3 repeats
     assert m["output_throughput"] == pytest.approx(80.0)  # median of 80, 120, 80
     assert m["completed"] == 4
+
+
+def test_speculative_suite_measures_the_off_switch_on_the_plain_build():
+    """Random prompts on the looping build loop too, and drafts would be accepted there:
+    the off-switch is measured only where outputs repeat nothing."""
+    args = parse_args(["--suite", "speculative"])
+    assert args.preset == "medium"
+    builds = {(p.spec.name, p.loop) for p in plan_runs(args)}
+    assert builds == {("code-edit", True), ("random", False)}
+    assert parse_args(["--suite", "standard"]).preset == "small"
 
 
 def test_comparison_ratios_and_targets():
