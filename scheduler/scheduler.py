@@ -246,12 +246,14 @@ class Scheduler:
 
     def _after_decode(self, batch: list[Req], result: StepResult) -> None:
         before = [len(r.output_ids) for r in batch]
+        spec = self.spec if self.spec.enabled else None  # no per-row calls without it
         for i, req in enumerate(batch):
-            if self.spec.take_drafted(req, result, i):
+            if spec is not None and spec.take_drafted(req, result, i):
                 self._after_tokens(req, joined=False)
             else:
                 self._append_token(req, result, i, joined=False)
-            self.spec.observe(req, result, i, req.output_ids[before[i]])
+            if spec is not None:
+                spec.observe(req, result, i, req.output_ids[before[i]])
         self.spec.end_step()
         self.decode_tokens += sum(len(r.output_ids) for r in batch) - sum(before)
         self.decode_rows += len(batch)
