@@ -29,7 +29,7 @@ from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
-from scheduler.speculation import DraftModelSpeculation, NgramSpeculation
+from scheduler.speculation import Speculator
 
 logger = logging.getLogger("scheduler")
 
@@ -66,22 +66,7 @@ class Scheduler:
         self.decode_tokens = 0  # tokens decode steps produced (more than rows with drafts)
         self.decode_rows = 0
         self._decode_log = (time.monotonic(), 0, 0)
-        self.spec = self._speculation(args, worker)
-        self.drafts: list[list[int]] = []  # the drafts of the decode step in flight
-        self.draft_locs: list[list[int]] = []
-
-    @staticmethod
-    def _speculation(
-        args: ServerArgs, worker: WorkerReady
-    ) -> NgramSpeculation | DraftModelSpeculation | None:
-        kinds = {"ngram": NgramSpeculation, "draft": DraftModelSpeculation}
-        kind = kinds.get(args.speculative_algorithm)
-        if kind is None:
-            return None
-        if not worker.verifies_drafts:
-            logger.warning("this model cannot verify drafts: decoding without speculation")
-            return None
-        return kind(args.speculative_num_draft_tokens)
+        self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
 
     # ------------------------------------------------------------ inputs
 
@@ -191,7 +176,7 @@ class Scheduler:
             raise RuntimeError("no KV slot for a lone running request")  # rejected at entry
         for req, loc in zip(self.running, locs):
             self.kv.append_decode_slot(req, loc)
-        drafts, draft_locs = self._draft()
+        drafts, draft_locs = self.spec.draft(self.running)
         self.in_flight = list(self.running)
         self.step += 1
         self.new_token_ratio = max(
@@ -204,29 +189,11 @@ class Scheduler:
         )  # nothing to prefill next and nobody reaches max_new_tokens at this step
         # (a step with drafts has a variable outcome: nothing can be computed ahead, and
         # rows that may draft next would throw such a step away)
-        lookahead = lookahead and not (self.spec and self.spec.active(self.running))
+        lookahead = lookahead and not self.spec.active(self.running)
         rids = [r.rid for r in self.running]
         return DecodeBatch(
             self.step, rids, locs, self._take_release(), lookahead, drafts, draft_locs
         )
-
-    def _draft(self) -> tuple[list[list[int]], list[list[int]]]:
-        """This step's drafts and their slots ([] and [] for none), when the budget
-        holds them after the running requests' own slots."""
-        self.drafts, self.draft_locs = [], []
-        if self.spec is None:
-            return [], []
-        drafts = self.spec.drafts(self.running, self.context_len)
-        n = sum(len(d) for d in drafts)
-        if not n or self.kv.budget() < n:
-            return [], []
-        flat = self.kv.alloc(n)
-        it = iter(flat)
-        self.drafts = drafts
-        self.draft_locs = [[next(it) for _ in d] for d in drafts]
-        if self.spec.worker_drafts:  # slots alone: the worker's draft model fills them
-            return [[] for _ in drafts], self.draft_locs
-        return self.drafts, self.draft_locs
 
     def _retract_one(self) -> None:
         """Send the request with the least progress back to the queue; its KV stays cached."""
@@ -278,19 +245,16 @@ class Scheduler:
                 self._append_token(req, result, row[req.rid], joined=True)
 
     def _after_decode(self, batch: list[Req], result: StepResult) -> None:
-        drafts, locs, self.drafts, self.draft_locs = self.drafts, self.draft_locs, [], []
         before = [len(r.output_ids) for r in batch]
+        spec = self.spec if self.spec.enabled else None  # no per-row calls without it
         for i, req in enumerate(batch):
-            if drafts and drafts[i]:
-                proposed = self._proposed(result, i, drafts[i])
-                self._take_drafted(req, result, i, proposed, locs[i])
+            if spec is not None and spec.take_drafted(req, result, i):
+                self._after_tokens(req, joined=False)
             else:
                 self._append_token(req, result, i, joined=False)
-            if self.spec is not None:
-                drafted = len(drafts[i]) if drafts else 0
-                kept = result.accepted[i] if drafted and result.accepted else 0
-                guess = result.drafts[i] if result.drafts is not None else None
-                self.spec.observe(req, drafted, kept, req.output_ids[before[i]], guess)
+            if spec is not None:
+                spec.observe(req, result, i, req.output_ids[before[i]])
+        self.spec.end_step()
         self.decode_tokens += sum(len(r.output_ids) for r in batch) - sum(before)
         self.decode_rows += len(batch)
         self.decode_steps += 1
@@ -319,31 +283,6 @@ class Scheduler:
         self._release(req, keep=True)
         self._finish(req, req.finish_reason)
 
-    def _proposed(self, result: StepResult, row: int, sent: list[int]) -> list[int]:
-        """The drafts a row verified: those sent, or the worker's draft model's (none if a
-        reply lacks them: then every draft slot is freed)."""
-        if not self.spec.worker_drafts:
-            return sent
-        return result.drafts[row] if result.drafts is not None else []
-
-    def _take_drafted(
-        self, req: Req, result: StepResult, row: int, draft: list[int], locs: list[int]
-    ) -> None:
-        """A row that drafted: its accepted drafts and the worker's next token, up to where
-        it finishes (a stop token, eos or max_new_tokens inside the run ends it there, as
-        without speculation). The slots of the drafts it keeps (all but the last new
-        token's) become its KV, the others are freed."""
-        accepted = result.accepted[row] if result.accepted else 0
-        n = 0
-        for tok in draft[:accepted] + [result.next_token_ids[row]]:
-            req.output_ids.append(tok)
-            n += 1
-            req.check_finished(self.eos_ids)
-            if req.finish_reason is not None:
-                break
-        self.kv.keep_draft_slots(req, locs[: n - 1], locs[n - 1 :])
-        self._after_tokens(req, joined=False)
-
     def _apply_aborts(self) -> None:
         for req in [r for r in self.running + [self.chunked] if r is not None and r.to_abort]:
             if req is self.chunked:
@@ -356,8 +295,7 @@ class Scheduler:
     def _fail_step(self, batch: PrefillBatch | list[Req] | None, message: str) -> None:
         reqs = batch.reqs if isinstance(batch, PrefillBatch) else (batch or [])
         logger.error("worker failed a step of %d requests: %s", len(reqs), message)
-        self.kv.allocator.free([s for locs in self.draft_locs for s in locs])
-        self.drafts, self.draft_locs = [], []
+        self.spec.end_step(failed=True)
         for req in reqs:
             if req is self.chunked:
                 self.chunked = None
@@ -371,8 +309,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
         self.reqs.pop(req.rid, None)
-        if self.spec is not None:
-            self.spec.forget(req.rid)
+        self.spec.forget(req.rid)
         self._emit(req)
 
     def _emit(self, req: Req) -> None:
@@ -407,7 +344,7 @@ class Scheduler:
         made, rows = self.decode_tokens - tokens_then, self.decode_rows - rows_then
         self._decode_log = (now, self.decode_tokens, self.decode_rows)
         # with speculation, SGLang's "accept len": tokens per request and step
-        accept = f", accept len: {made / max(rows, 1):.2f}" if self.spec else ""
+        accept = f", accept len: {made / max(rows, 1):.2f}" if self.spec.enabled else ""
         logger.info(
             "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, "
             "gen throughput (token/s): %.2f, #queue-req: %d%s",

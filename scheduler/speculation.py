@@ -20,13 +20,22 @@ goes back to shadow. So text that does not repeat itself never pays for a verify
 and a row whose output starts to loop drafts from the next steps on. Rows with
 penalties, logit bias, logprobs or a grammar never draft: their next token depends on
 state the drafts would have to replay.
+
+`Speculator` is the scheduler's side of either proposer: the drafts of the decode step
+in flight and their KV slots, from their allocation to what each row keeps of them.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
+from common.messages import StepResult, WorkerReady
+from common.server_args import ServerArgs
+from scheduler.cache import KVCacheManager
 from scheduler.request import Req
+
+logger = logging.getLogger("scheduler")
 
 MIN_NGRAM = 2
 MAX_NGRAM = 4
@@ -197,3 +206,107 @@ class DraftModelSpeculation:
 
     def forget(self, rid: str) -> None:
         self.rows.pop(rid, None)
+
+
+class Speculator:
+    """The proposer --speculative-algorithm names (None: decoding without drafts) and the
+    drafts of the decode step in flight: their slots, allocated before the step, and when
+    its result comes back, the tokens each row keeps (the slots of the others freed)."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        worker: WorkerReady,
+        kv: KVCacheManager,
+        context_len: int,
+        eos_ids: frozenset[int],
+    ):
+        self.proposer = _proposer(args, worker)
+        self.kv, self.context_len, self.eos_ids = kv, context_len, eos_ids
+        self.drafts: list[list[int]] = []  # per row of the step in flight ([] for none)
+        self.locs: list[list[int]] = []  # their slots
+
+    @property
+    def enabled(self) -> bool:
+        return self.proposer is not None
+
+    def draft(self, running: list[Req]) -> tuple[list[list[int]], list[list[int]]]:
+        """This step's drafts and their slots ([] and [] for none), when the budget
+        holds them after the running requests' own slots."""
+        self.drafts, self.locs = [], []
+        if self.proposer is None:
+            return [], []
+        drafts = self.proposer.drafts(running, self.context_len)
+        n = sum(len(d) for d in drafts)
+        if not n or self.kv.budget() < n:
+            return [], []
+        it = iter(self.kv.alloc(n))
+        self.drafts = drafts
+        self.locs = [[next(it) for _ in d] for d in drafts]
+        if self.proposer.worker_drafts:  # slots alone: the worker's draft model fills them
+            return [[] for _ in drafts], self.locs
+        return self.drafts, self.locs
+
+    def active(self, reqs: list[Req]) -> bool:
+        """Whether any of `reqs` may draft at its next step."""
+        return self.proposer is not None and self.proposer.active(reqs)
+
+    def take_drafted(self, req: Req, result: StepResult, row: int) -> bool:
+        """For a row that drafted (False for one that did not): its accepted drafts and
+        the worker's next token, up to where it finishes (a stop token, eos or
+        max_new_tokens inside the run ends it there, as without speculation). The slots
+        of the drafts it keeps (all but the last new token's) become its KV, the others
+        are freed."""
+        if not (self.drafts and self.drafts[row]):
+            return False
+        accepted = result.accepted[row] if result.accepted else 0
+        n = 0
+        for tok in self._proposed(result, row)[:accepted] + [result.next_token_ids[row]]:
+            req.output_ids.append(tok)
+            n += 1
+            req.check_finished(self.eos_ids)
+            if req.finish_reason is not None:
+                break
+        locs = self.locs[row]
+        self.kv.keep_draft_slots(req, locs[: n - 1], locs[n - 1 :])
+        return True
+
+    def _proposed(self, result: StepResult, row: int) -> list[int]:
+        """The drafts a row verified: those sent, or the worker's draft model's (none if a
+        reply lacks them: then every draft slot is freed)."""
+        if not self.proposer.worker_drafts:
+            return self.drafts[row]
+        return result.drafts[row] if result.drafts is not None else []
+
+    def observe(self, req: Req, result: StepResult, row: int, first: int) -> None:
+        """Tell the proposer what a row's step did; `first` is the first token it made."""
+        if self.proposer is None:
+            return
+        drafted = len(self.drafts[row]) if self.drafts else 0
+        kept = result.accepted[row] if drafted and result.accepted else 0
+        guess = result.drafts[row] if result.drafts is not None else None
+        self.proposer.observe(req, drafted, kept, first, guess)
+
+    def end_step(self, failed: bool = False) -> None:
+        """The step in flight is over; when it failed, its draft slots are freed (after a
+        result, every drafting row kept or freed its own)."""
+        if failed:
+            self.kv.allocator.free([s for locs in self.locs for s in locs])
+        self.drafts, self.locs = [], []
+
+    def forget(self, rid: str) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(rid)
+
+
+def _proposer(
+    args: ServerArgs, worker: WorkerReady
+) -> NgramSpeculation | DraftModelSpeculation | None:
+    kinds = {"ngram": NgramSpeculation, "draft": DraftModelSpeculation}
+    kind = kinds.get(args.speculative_algorithm)
+    if kind is None:
+        return None
+    if not worker.verifies_drafts:
+        logger.warning("this model cannot verify drafts: decoding without speculation")
+        return None
+    return kind(args.speculative_num_draft_tokens)

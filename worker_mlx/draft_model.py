@@ -34,7 +34,8 @@ from common.messages import DecodeBatch, ExtendBatch, ReleaseReq, SamplingParams
 from worker_mlx.verify import verify_step
 
 if TYPE_CHECKING:
-    from worker_mlx.model_runner import ModelRunner, ReqState
+    from worker_mlx.model_runner import ModelRunner
+    from worker_mlx.request_state import ReqState
 
 # The draft samples nothing that the output depends on: its own requests are greedy and
 # free of penalties, grammars and logprobs whatever the target's row asks for.

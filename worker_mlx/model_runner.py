@@ -1,8 +1,9 @@
 """ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
 
-It owns the request states (each request's slots, sampling state and last token), the
-decode buffer and the lookahead; the pool holds the rest. Where a request's KV is at any
-moment is `kv_location`. Descriptors are checked against the pool bounds, not trusted.
+It owns the request states (`ReqState`, request_state.py: each request's slots, sampling
+state and last token), the decode buffer and the lookahead; the pool holds the rest.
+Where a request's KV is at any moment is `kv_location`. Descriptors are checked against
+the pool bounds, not trusted.
 """
 
 from __future__ import annotations
@@ -12,43 +13,21 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.descriptor_checks import check_extend, check_slots
 from worker_mlx.draft_model import draft_model_step
-from worker_mlx.grammar import Grammars, advance
+from worker_mlx.grammar import Grammars
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.prefill import ExtendPlan, passes
 from worker_mlx.prompt_logprobs import prompt_logprobs
-from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sample
+from worker_mlx.request_state import ReqState, StepOutput, sample_and_record
+from worker_mlx.sampler import KeySource
 from worker_mlx.state_pool import StatePool
 from worker_mlx.verify import check_drafts, verify_step
-
-
-@dataclass
-class ReqState:
-    rid: str
-    slots: list[int]  # every slot of its KV, the last `buffer.pending()` possibly unflushed
-    sampling: SamplingParams
-    last_token: int
-    key: mx.array | None
-    penalty: Penalty | None = None
-    grammar: object | None = None  # its llguidance matcher, if the request is constrained
-    state_slot: int = 0  # its recurrent layers' working state (models with such layers)
-
-
-@dataclass
-class StepOutput:
-    rids: list[str]
-    next_token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list] | None = None
-    prompt_logprobs: list | None = None
-    accepted: list[int] | None = None  # drafts kept per row, after a verify step
-    drafts: list[list[int]] | None = None  # the draft model's proposals, when it made them
 
 
 @dataclass
@@ -179,7 +158,7 @@ class ModelRunner:
 
     def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
         """Sample the extended requests' first tokens; from now on they decode."""
-        out = self.sample_and_record(logits, states, self._arrays())
+        out = sample_and_record(logits, states, self._arrays(), self.grammars)
         for s in states:
             self.reqs[s.rid] = s
         return out
@@ -211,17 +190,7 @@ class ModelRunner:
         check_extend(r, self.pool.num_slots, state_slots, self.vocab_size)
 
     def _new_state(self, r: ExtendReq) -> ReqState:
-        key = None
-        if not r.sampling.greedy:
-            key = self.keys.request_key(r.sampling.seed, len(r.output_ids))
-        penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        slots = r.prefix_slot_ids + r.out_cache_loc
-        state = ReqState(r.rid, slots, r.sampling, -1, key, penalty, state_slot=r.state_slot)
-        if r.sampling.grammar_kind:
-            if self.grammars is None:
-                raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")
-            state.grammar = self.grammars.matcher(r.sampling, r.output_ids)
-        return state
+        return ReqState.for_extend(r, self.keys, self.grammars)
 
     # ------------------------------------------------------------ decode
 
@@ -270,7 +239,7 @@ class ModelRunner:
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
         buffer = self.buffer_for(rids, states)
         logits = self._buffer_step(buffer.rows(rids))
-        return self.sample_and_record(logits, states, buffer.arrays())
+        return sample_and_record(logits, states, buffer.arrays(), self.grammars)
 
     def buffer_for(self, rids: list[str], states: list[ReqState]) -> DecodeBuffer:
         """The decode buffer with exactly `rids` live: this one, or with rows admitted
@@ -298,7 +267,7 @@ class ModelRunner:
             if self.pipeline_stage:
                 mx.eval(parts[-1], self._arrays())
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return self.sample_and_record(logits, states, self._arrays())
+        return sample_and_record(logits, states, self._arrays(), self.grammars)
 
     def _buffer_step(self, rows: list[int]) -> mx.array:
         """Logits of one step of the decode buffer for its `rows` (the live ones, in the
@@ -323,44 +292,6 @@ class ModelRunner:
         tokens = mx.argmax(self._buffer_step(rows), axis=-1)
         mx.async_eval(tokens, buffer.arrays())
         self.lookahead.computed_step(buffer, rids, tokens)
-
-    def sample_and_record(
-        self, logits: mx.array, states: list[ReqState], buffers: list[mx.array]
-    ) -> StepOutput:
-        """Sample one token per row, overlap host work with the step, record the results."""
-        logits = apply_penalties(logits, [s.penalty for s in states])
-        matchers = [s.grammar for s in states]
-        if any(matchers):
-            mx.async_eval(logits)  # the step runs while the masks are computed
-            logits = self.grammars.constrain(logits, matchers)
-        next_tok = sample(logits, [s.sampling for s in states], self.step_keys(states))
-        top_n = max((s.sampling.top_logprobs for s in states if s.sampling.logprobs), default=-1)
-        lp = logprobs(logits, next_tok, top_n) if top_n >= 0 else ()
-        mx.async_eval(next_tok, *lp, *buffers)
-        out = StepOutput([s.rid for s in states], next_tok.tolist())
-        advance(matchers, out.next_token_ids)
-        for s, tok in zip(states, out.next_token_ids):
-            s.last_token = tok
-            if s.penalty is not None:
-                s.penalty.observe(tok)
-        if lp:
-            chosen, ids, vals = (x.tolist() for x in lp)
-            out.logprobs = [c if s.sampling.logprobs else 0.0 for s, c in zip(states, chosen)]
-            out.top_logprobs = [
-                [[i, v] for i, v in zip(row_ids, row_vals)][: s.sampling.top_logprobs]
-                if s.sampling.logprobs else []
-                for s, row_ids, row_vals in zip(states, ids, vals)
-            ]  # fmt: skip
-        return out
-
-    def step_keys(self, states: list[ReqState]) -> list[mx.array | None]:
-        keys = []
-        for s in states:
-            use = None
-            if s.key is not None:
-                s.key, use = KeySource.next(s.key)
-            keys.append(use)
-        return keys
 
     # ------------------------------------------------------------ release and flush
 

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, SamplingParams
+from worker_mlx.request_state import ReqState, sample_and_record, step_keys
 from worker_mlx.sampler import NEG_INF, filter_logits
 
 MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
 
 if TYPE_CHECKING:
-    from worker_mlx.model_runner import ModelRunner, ReqState
+    from worker_mlx.model_runner import ModelRunner
 
 
 def verify(
@@ -125,7 +126,7 @@ def _accept(
     out = {"rids": [s.rid for s in states], "next_token_ids": [0] * n, "accepted": [0] * n}
     if plain:
         rows = [states[i] for i in plain]
-        sampled = runner.sample_and_record(logits[mx.array(plain), 0], rows, [])
+        sampled = sample_and_record(logits[mx.array(plain), 0], rows, [], runner.grammars)
         if sampled.logprobs is not None:
             out["logprobs"], out["top_logprobs"] = [0.0] * n, [[] for _ in states]
         for j, i in enumerate(plain):
@@ -137,7 +138,7 @@ def _accept(
         rows = [states[i] for i in drafted]
         accepted, nxt = verify(
             logits[mx.array(drafted)], [drafts[i] for i in drafted],
-            [s.sampling for s in rows], runner.step_keys(rows),
+            [s.sampling for s in rows], step_keys(rows),
         )  # fmt: skip
         for i, a, tok, s in zip(drafted, accepted, nxt, rows):
             out["accepted"][i], out["next_token_ids"][i], s.last_token = a, tok, tok
