@@ -69,6 +69,8 @@ bench: setup
 	$(PY) -m benchmarks.families
 	$(PY) -m benchmarks.restart
 	$(PY) -m benchmarks.serving --suite standard
+	$(PY) -m benchmarks.serving --suite speculative
+	$(PY) -m benchmarks.routing --preset tiny --dp-size 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
