@@ -24,7 +24,7 @@ import pytest
 
 from router.client import AsyncClient, Client
 from tests.conftest import mlx_greedy
-from tests.server import RADIX_MLX, ServerProcess, checked_server
+from tests.server import RADIX_MLX, ReplicaProcess, ServerProcess, checked_server
 from tests.test_faults import _body, _stream, wait_healthy
 from tests.test_metrics import PREFIX, scrape, wait_idle
 
@@ -150,6 +150,26 @@ def test_killing_a_rank_mid_decode_restarts_the_whole_group(group):
     r = httpx.post(srv.url + "/v1/completions", json=_body(prompt, 8), timeout=120)
     assert r.json()["choices"][0]["token_ids"] == mlx_greedy(model, prompt, 8)
     wait_idle(srv.url, timeout=30)
+
+
+def test_a_remote_replica_of_tensor_parallel_ranks_is_token_exact(tiny_model, tmp_path):
+    """`radix-mlx replica --tp-size 2` behind a router of no local replica: the replica
+    supervises its ranks as `serve` does, and the router sees one replica."""
+    replica = ReplicaProcess(tiny_model, tmp_path / "replica.log", extra=["--tp-size", "2"])
+    replica.start()
+    try:
+        flags = ["--dp-size", "0", "--replica", replica.address]
+        with checked_server(tiny_model, tmp_path / "router.log", flags) as srv:
+            with Client(srv.zmq_address, timeout=120) as client:
+                for p in _prompts(3, 6):
+                    res = client.generate(input_ids=p, max_new_tokens=8, **GREEDY)
+                    assert res.output_ids == mlx_greedy(tiny_model, p, 8)
+            states = [r["state"] for r in httpx.get(srv.url + "/health").json()["replicas"]]
+            assert states == ["ready"]
+    finally:
+        replica.stop()
+    assert "rank 1 of 2 (tensor parallel" in replica.log()
+    assert "Traceback" not in replica.log()
 
 
 def _zombie(pid: int) -> bool:
