@@ -319,21 +319,18 @@ def standard_suite() -> list[SuiteLoad]:
     both = ("radix-mlx", "mlx-lm")
     rnd = dict(input_len=256, output_len=64, range_ratio=1.0)
     gsp = dict(groups=4, prompts_per_group=8, system_len=1024, question_len=64, output_len=32)
+    turns = dict(conversations=8, turns=4, user_len=64, output_len=32)
     return [
-        (WorkloadSpec("random", dict(num_prompts=32, **rnd)), [1, 4], both),
-        (WorkloadSpec("random", dict(num_prompts=64, **rnd)), [8], both),
-        (
+        SuiteLoad(WorkloadSpec("random", dict(num_prompts=32, **rnd)), [1, 4], both),
+        SuiteLoad(WorkloadSpec("random", dict(num_prompts=64, **rnd)), [8], both),
+        SuiteLoad(
             WorkloadSpec("generated-shared-prefix", gsp),
             [8],
             ("radix-mlx", "radix-mlx-no-cache", "mlx-lm"),
         ),
-        (
-            WorkloadSpec("multi-turn", dict(conversations=8, turns=4, user_len=64, output_len=32)),
-            [8],
-            both,
-        ),
-        (WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=9)), [1], both),
-        (WorkloadSpec("agent", AGENT), [8], both),
+        SuiteLoad(WorkloadSpec("multi-turn", turns), [8], both),
+        SuiteLoad(WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=9)), [1], both),
+        SuiteLoad(WorkloadSpec("agent", AGENT), [8], both),
     ]
 
 

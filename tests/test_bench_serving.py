@@ -228,7 +228,9 @@ def test_speculative_suite_measures_the_off_switch_on_the_plain_build():
     assert args.preset == "medium"
     builds = {(p.spec.name, p.loop) for p in plan_runs(args)}
     assert builds == {("code-edit", True), ("random", False)}
-    assert parse_args(["--suite", "standard"]).preset == "small"
+    standard = parse_args(["--suite", "standard"])
+    assert standard.preset == "small"
+    assert {p.loop for p in plan_runs(standard)} == {False}
 
 
 def test_comparison_ratios_and_targets():
