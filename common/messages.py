@@ -299,6 +299,10 @@ class StepResult:
     # draft slots, else its guess of the token this step produced (one; the row's shadow
     # proposal).
     drafts: list[list[int]] | None = None
+    # A decode step the worker computed on receipt: its seconds, from the descriptor to
+    # the tokens on the host (None for an extend, or a step computed ahead). The
+    # scheduler weighs a verify step's cost against a plain one's with it.
+    step_seconds: float | None = None
 
 
 @dataclass

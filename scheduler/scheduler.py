@@ -254,7 +254,7 @@ class Scheduler:
                 self._append_token(req, result, i, joined=False)
             if spec is not None:
                 spec.observe(req, result, i, req.output_ids[before[i]])
-        self.spec.end_step()
+        self.spec.end_step(result)
         self.decode_tokens += sum(len(r.output_ids) for r in batch) - sum(before)
         self.decode_rows += len(batch)
         self.decode_steps += 1
@@ -295,7 +295,7 @@ class Scheduler:
     def _fail_step(self, batch: PrefillBatch | list[Req] | None, message: str) -> None:
         reqs = batch.reqs if isinstance(batch, PrefillBatch) else (batch or [])
         logger.error("worker failed a step of %d requests: %s", len(reqs), message)
-        self.spec.end_step(failed=True)
+        self.spec.end_step()
         for req in reqs:
             if req is self.chunked:
                 self.chunked = None

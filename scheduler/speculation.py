@@ -17,7 +17,10 @@ proposal is computed (a dict lookup) but not sent, and compared with the token t
 model then produced; SHADOW_HITS hits in a row switch drafting on. A drafting row whose
 drafts keep failing (below LOW_ACCEPTANCE of its draft tokens kept over WINDOW steps)
 goes back to shadow. So text that does not repeat itself never pays for a verify step,
-and a row whose output starts to loop drafts from the next steps on. Rows with
+and a row whose output starts to loop drafts from the next steps on. A step's drafts go
+out only when the tokens they are expected to add (each row's running acceptance times
+its draft count) pay for the verify step on this machine (`scheduler/step_cost.py`): a
+few looping rows do not turn every row of a large batch into a verify row for nothing. Rows with
 penalties, logit bias, logprobs or a grammar never draft: their next token depends on
 state the drafts would have to replay.
 
@@ -34,6 +37,7 @@ from common.messages import StepResult, WorkerReady
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.request import Req
+from scheduler.step_cost import StepCost
 
 logger = logging.getLogger("scheduler")
 
@@ -42,6 +46,7 @@ MAX_NGRAM = 4
 WINDOW = 4  # drafting steps over which a row's acceptance is judged
 LOW_ACCEPTANCE = 0.3  # share of draft tokens kept below which a row goes back to shadow
 SHADOW_HITS = 2  # first-token hits in a row that switch a shadow row to drafting
+RATE_WEIGHT = 0.25  # of a step's acceptance in a row's running mean
 
 
 @dataclass
@@ -88,6 +93,7 @@ class Adaptive:
     drafted: int = 0  # draft tokens sent in the current window
     kept: int = 0
     steps: int = 0  # drafting steps in the current window
+    rate: float = 1.0  # running mean of the share of its drafts kept (what a draft is worth)
 
     def observe(self, drafted: int, kept: int, first: int) -> None:
         """After a step: `drafted` tokens sent, `kept` of them accepted, `first` the
@@ -96,6 +102,8 @@ class Adaptive:
             self.hits = self.hits + 1 if first == self.shadow else 0
             self.drafting = self.hits >= SHADOW_HITS
             return
+        if drafted:
+            self.rate += RATE_WEIGHT * (kept / drafted - self.rate)
         self.drafted += drafted
         self.kept += kept
         self.steps += 1
@@ -225,6 +233,7 @@ class Speculator:
         self.kv, self.context_len, self.eos_ids = kv, context_len, eos_ids
         self.drafts: list[list[int]] = []  # per row of the step in flight ([] for none)
         self.locs: list[list[int]] = []  # their slots
+        self.cost = StepCost()
 
     @property
     def enabled(self) -> bool:
@@ -232,7 +241,8 @@ class Speculator:
 
     def draft(self, running: list[Req]) -> tuple[list[list[int]], list[list[int]]]:
         """This step's drafts and their slots ([] and [] for none), when the budget
-        holds them after the running requests' own slots."""
+        holds them after the running requests' own slots and they pay for the verify
+        step (`StepCost`)."""
         self.drafts, self.locs = [], []
         if self.proposer is None:
             return [], []
@@ -240,12 +250,26 @@ class Speculator:
         n = sum(len(d) for d in drafts)
         if not n or self.kv.budget() < n:
             return [], []
+        if not self._pays(running, drafts):
+            return [], []
         it = iter(self.kv.alloc(n))
         self.drafts = drafts
         self.locs = [[next(it) for _ in d] for d in drafts]
         if self.proposer.worker_drafts:  # slots alone: the worker's draft model fills them
             return [[] for _ in drafts], self.locs
         return self.drafts, self.locs
+
+    def _pays(self, running: list[Req], drafts: list[list[int]]) -> bool:
+        """Whether the step's drafts pay for its verify step (`StepCost`). Always, when a
+        drafting row samples with a seed: its tokens depend on which of its steps verify
+        drafts, so its drafting follows its own tokens alone, or its seed would not
+        reproduce its output."""
+        drafting = [(r, d) for r, d in zip(running, drafts) if d]
+        if any(r.sampling.seed is not None and not r.sampling.greedy for r, _ in drafting):
+            return True
+        rows = self.proposer.rows
+        expected = len(running) + sum(rows[r.rid].rate * len(d) for r, d in drafting)
+        return self.cost.pays(len(running), 1 + max(len(d) for _, d in drafting), expected)
 
     def active(self, reqs: list[Req]) -> bool:
         """Whether any of `reqs` may draft at its next step."""
@@ -287,11 +311,14 @@ class Speculator:
         guess = result.drafts[row] if result.drafts is not None else None
         self.proposer.observe(req, drafted, kept, first, guess)
 
-    def end_step(self, failed: bool = False) -> None:
-        """The step in flight is over; when it failed, its draft slots are freed (after a
-        result, every drafting row kept or freed its own)."""
-        if failed:
+    def end_step(self, result: StepResult | None = None) -> None:
+        """The step in flight is over: its `result`, or None when it failed (then its
+        draft slots are freed; after a result, every drafting row kept or freed its own)."""
+        if result is None:
             self.kv.allocator.free([s for locs in self.locs for s in locs])
+        elif self.proposer is not None:
+            columns = 1 + max((len(d) for d in self.drafts), default=0)
+            self.cost.record(len(result.rids), columns, result.step_seconds)
         self.drafts, self.locs = [], []
 
     def forget(self, rid: str) -> None:

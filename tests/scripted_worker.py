@@ -173,6 +173,9 @@ class ScriptedWorker:
         self.counts = {"extend": 0, "decode": 0, "release_batch": 0, "flush": 0, "drop": 0}
         self.max_decode_batch = 0
         self.states = ShadowStates(num_state_slots, self._bad)
+        # the machine a test models: (rows, columns per row) -> a decode step's seconds,
+        # reported as the worker reports its steps' (None: not reported)
+        self.step_seconds: Callable[[int, int], float] | None = None
 
     def register(self, rid: str, prompt: list[int]) -> None:
         self.seqs[rid] = Seq(prompt)
@@ -390,7 +393,12 @@ class ScriptedWorker:
                 a += 1
             toks.append(tok)
             accepted.append(a)
-        return StepResult(step, list(msg.rids), toks, accepted=accepted if msg.drafts else None)
+        columns = 1 + max((len(d) for d in drafts), default=0)
+        took = self.step_seconds(len(msg.rids), columns) if self.step_seconds else None
+        return StepResult(
+            step, list(msg.rids), toks, accepted=accepted if msg.drafts else None,
+            step_seconds=took,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- the harness

@@ -113,3 +113,51 @@ def test_draft_model_rows_draft_after_their_guesses_hit_and_stop_when_drafts_fai
     for step in range(WINDOW):  # one draft in four kept: below LOW_ACCEPTANCE
         spec.observe(row, 4, 1 if step == 0 else 0, 0, [9, 9, 9, 9])
     assert spec.drafts([row], 4096) == [[]] and not spec.active([row])
+
+
+def _drafting_share(make_harness, verify_cost: float, looping: int, others: int) -> float:
+    """The share of decode steps that carried drafts, on a scripted machine where a
+    verify step costs `verify_cost` times a plain one, for `looping` rows whose drafts
+    hold decoding beside `others` whose drafts fail."""
+    h, sent = _spec_harness(make_harness, 4096)
+    h.worker.step_seconds = lambda rows, columns: 0.001 * (1 if columns == 1 else verify_cost)
+    rng = random.Random(9)
+    for i in range(looping + others):
+        period = 3 if i < looping else None
+        h.submit(f"m{i}", toks(rng, 12), 160, period=period, ignore_eos=True)
+    h.wait_idle(timeout=30)
+    h.verify()  # outputs unchanged whatever is drafted
+    full = [m for m in sent if len(m.rids) == looping + others]
+    return sum(bool(any(m.drafts)) for m in full) / len(full)
+
+
+def test_one_looping_row_does_not_make_a_compute_bound_batch_verify(make_harness):
+    """At 8 rows on a machine where a verify step costs 3 plain ones, one row's drafts
+    (up to 5 tokens of the batch's 12) do not pay: after the two steps that measure a
+    verify step, drafts go out only on the retries (1 in 32)."""
+    assert _drafting_share(make_harness, 3.0, looping=1, others=7) < 0.15
+    # where a verify step costs what a plain one does, the same row drafts all along
+    assert _drafting_share(make_harness, 1.0, looping=1, others=7) > 0.5
+
+
+def test_rows_whose_drafts_pay_keep_drafting_on_a_compute_bound_machine(make_harness):
+    """The same machine: 8 looping rows (8 x 4 drafts kept) and one row alone (1 + 4
+    tokens for 3 plain steps' time) pay for the verify step."""
+    assert _drafting_share(make_harness, 3.0, looping=8, others=0) > 0.5
+    assert _drafting_share(make_harness, 3.0, looping=1, others=0) > 0.5
+
+
+def test_step_cost_learns_each_shape_and_retries_a_refused_one():
+    from scheduler.step_cost import RETRY_AFTER, StepCost
+
+    cost = StepCost()
+    assert cost.pays(8, 5, 9.0)  # nothing measured: draft, to learn
+    for _ in range(3):  # the first of each shape is a warm-up, not counted
+        cost.record(8, 1, 0.010)
+        cost.record(8, 5, 0.020)
+    cost.record(8, 5, None)  # an unmeasured step changes nothing
+    assert cost.seconds == {(8, 1): 0.010, (8, 5): 0.020}
+    assert cost.pays(8, 5, 16.0) and not cost.pays(8, 5, 15.9)  # 2x the time: 2x the tokens
+    assert cost.pays(4, 5, 4.0)  # another batch size is its own shape
+    refusals = [cost.pays(8, 5, 9.0) for _ in range(2 * RETRY_AFTER)]
+    assert refusals.count(True) == 2 and refusals[RETRY_AFTER - 2] is True

@@ -8,6 +8,7 @@ goes on serving.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 from common.child_process import die_with_parent, setup_child, wait_for_release
@@ -119,7 +120,10 @@ def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None
         if isinstance(msg, ReleaseBatch):
             runner.release(msg.release)
             return None
+        ahead = runner.lookahead.has_step  # then the step may already be computed
+        started = time.perf_counter()
         out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
+        took = None if ahead or isinstance(msg, ExtendBatch) else time.perf_counter() - started
     except Exception as exc:
         if group and not isinstance(exc, ValueError):
             logger.error("step %d failed in the group (%s); exiting", msg.step, exc)
@@ -132,5 +136,5 @@ def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None
     return StepResult(
         msg.step, out.rids, out.next_token_ids, logprobs=out.logprobs,
         top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
-        accepted=out.accepted, drafts=out.drafts,
+        accepted=out.accepted, drafts=out.drafts, step_seconds=took,
     )  # fmt: skip
