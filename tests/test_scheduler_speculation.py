@@ -148,16 +148,23 @@ def test_rows_whose_drafts_pay_keep_drafting_on_a_compute_bound_machine(make_har
 
 
 def test_step_cost_learns_each_shape_and_retries_a_refused_one():
-    from scheduler.step_cost import RETRY_AFTER, StepCost
+    from scheduler.step_cost import MIN_SAMPLES, RETRY_AFTER, StepCost
 
     cost = StepCost()
-    assert cost.pays(8, 5, 9.0)  # nothing measured: draft, to learn
-    for _ in range(3):  # the first of each shape is a warm-up, not counted
+    assert cost.pays(8, 5, 9.0)  # a worker that reports no timings: never refused
+    cost.record(8, 5, None)
+    assert cost.pays(8, 5, 9.0)
+    for _ in range(MIN_SAMPLES):  # the first of a shape is a warm-up, not counted
         cost.record(8, 1, 0.010)
+    assert not cost.pays(8, 5, 99.0)  # plain steps first: their cost is what drafts beat
+    cost.record(8, 1, 0.500)  # a step that also admitted rows: the median ignores it
+    cost.record(8, 1, 0.010)
+    assert cost.seconds(8, 1) == 0.010
+    assert cost.pays(8, 5, 9.0)  # a verify step's cost is learnt by drafting
+    for _ in range(MIN_SAMPLES + 1):
         cost.record(8, 5, 0.020)
-    cost.record(8, 5, None)  # an unmeasured step changes nothing
-    assert cost.seconds == {(8, 1): 0.010, (8, 5): 0.020}
     assert cost.pays(8, 5, 16.0) and not cost.pays(8, 5, 15.9)  # 2x the time: 2x the tokens
-    assert cost.pays(4, 5, 4.0)  # another batch size is its own shape
-    refusals = [cost.pays(8, 5, 9.0) for _ in range(2 * RETRY_AFTER)]
-    assert refusals.count(True) == 2 and refusals[RETRY_AFTER - 2] is True
+    assert not cost.pays(4, 5, 99.0)  # another batch size is its own shape
+    refusals = [cost.pays(8, 5, 9.0) for _ in range(4 * RETRY_AFTER)]
+    retries = [i for i, ok in enumerate(refusals) if ok]
+    assert retries == [RETRY_AFTER - 2, 3 * RETRY_AFTER - 2]  # then twice as long a wait
