@@ -16,29 +16,36 @@ import argparse
 import asyncio
 import random
 import statistics
-import time
 from pathlib import Path
 
-import httpx
-
+from benchmarks.records import Prompt, RequestResult
 from benchmarks.serving import ManagedServer
+from benchmarks.transports import HttpSender
+from benchmarks.workloads import send_one
 from common.tiny_presets import PRESETS
 
 OUTPUT = 128
 BACKENDS = ("radix-mlx", "radix-mlx-ngram")
 
 
-async def tpot(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], temp: float,
-               seed: int) -> float:  # fmt: skip
-    """Seconds per output token after the first, from the stream's arrival times."""
-    body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT, "temperature": temp,
-            "ignore_eos": True, "stream": True, "seed": seed}  # fmt: skip
-    times = []
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                times.append(time.perf_counter())
-    return (times[-1] - times[0]) / (OUTPUT - 1)  # an accepted run arrives as one event
+async def tpots(url: str, prompts: list[list[int]]) -> list[float]:
+    """Each request's seconds per output token after the first (as `report` counts TPOT):
+    the first prompt's greedy, the others' sampled at temperature 1, all at once."""
+    greedy = HttpSender(url, text_prompts=False, connections=1)
+    sampled = HttpSender(url, False, len(prompts), sampling={"temperature": 1.0})
+    results = [RequestResult(f"row{i}", len(p), OUTPUT) for i, p in enumerate(prompts)]
+    try:
+        await asyncio.gather(*[
+            send_one(greedy if i == 0 else sampled, Prompt(p, ""), OUTPUT, res)
+            for i, (p, res) in enumerate(zip(prompts, results))
+        ])  # fmt: skip
+    finally:
+        await greedy.close()
+        await sampled.close()
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+    return [(r.latency - r.ttft) / (r.output_len - 1) for r in results]
 
 
 async def one_run(backend: str, model: str, rows: int, repeat: int, logs: Path):
@@ -46,13 +53,10 @@ async def one_run(backend: str, model: str, rows: int, repeat: int, logs: Path):
     ep = await asyncio.to_thread(server.start)
     try:
         rng = random.Random(repeat)
-        async with httpx.AsyncClient(timeout=600) as http:
-            await tpot(http, ep.url, model, [rng.randrange(3, 500) for _ in range(16)], 0, 0)
-            prompts = [[rng.randrange(3, 500) for _ in range(192)] for _ in range(rows)]
-            got = await asyncio.gather(*[
-                tpot(http, ep.url, model, p, 0.0 if i == 0 else 1.0, i)
-                for i, p in enumerate(prompts)
-            ])  # fmt: skip
+        await tpots(ep.url, [[rng.randrange(3, 500) for _ in range(16)]])  # warm-up
+        got = await tpots(
+            ep.url, [[rng.randrange(3, 500) for _ in range(192)] for _ in range(rows)]
+        )
     finally:
         server.stop()
     return got[0], statistics.median(got[1:])

@@ -12,13 +12,17 @@ from benchmarks.workloads import Clock
 
 
 class HttpSender:
-    """POST /v1/completions with SSE; text prompts for servers that only take text."""
+    """POST /v1/completions with SSE; text prompts for servers that only take text.
+    Greedy unless `sampling` gives other body fields (`{"temperature": 1.0}`)."""
 
-    def __init__(self, url: str, text_prompts: bool, connections: int):
+    def __init__(
+        self, url: str, text_prompts: bool, connections: int, sampling: dict | None = None
+    ):
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         timeout = httpx.Timeout(1800, connect=30)
         self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout)
         self.text_prompts = text_prompts
+        self.sampling = sampling or {}
 
     async def send(self, prompt: Prompt, out_len: int, res: RequestResult, clock: Clock) -> None:
         body = {
@@ -28,6 +32,7 @@ class HttpSender:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.sampling,
         }
         async with self.client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:

@@ -20,9 +20,9 @@ goes back to shadow. So text that does not repeat itself never pays for a verify
 and a row whose output starts to loop drafts from the next steps on. A step's drafts go
 out only when the tokens they are expected to add (each row's running acceptance times
 its draft count) pay for the verify step on this machine (`scheduler/step_cost.py`): a
-few looping rows do not turn every row of a large batch into a verify row for nothing. Rows with
-penalties, logit bias, logprobs or a grammar never draft: their next token depends on
-state the drafts would have to replay.
+few looping rows do not turn every row of a large batch into a verify row for nothing.
+Rows with penalties, logit bias, logprobs or a grammar never draft: their next token
+depends on state the drafts would have to replay.
 
 `Speculator` is the scheduler's side of either proposer: the drafts of the decode step
 in flight and their KV slots, from their allocation to what each row keeps of them.
