@@ -311,3 +311,48 @@ def top2_margin(top: list) -> float:
     """The logprob margin between a step's top two tokens ([token, logprob] pairs)."""
     first, second = sorted((lp for _, lp in top), reverse=True)[:2]
     return first - second
+
+
+SELF_CHECK = """
+import dataclasses, sys
+from worker_mlx.backends.blas import preload_openblas
+print(preload_openblas())
+from mlx_lm import load
+from worker_mlx.model_probe import probe_layout
+from worker_mlx.self_check import choose_batching
+model, _ = load(sys.argv[1])
+kv, states = probe_layout(model)
+int8 = dataclasses.replace(kv, kv_cache_dtype="int8")
+print(choose_batching(model, int8, 512, True, 256, states, False))
+"""
+
+
+def kernel_sets() -> list[str]:
+    """The OpenBLAS x86 kernel sets this CPU can run (Haswell's need AVX2 and FMA)."""
+    from worker_mlx.backends.blas import x86_coretype
+
+    own = x86_coretype()
+    return sorted({own, "Haswell"} - {None}) if own else []
+
+
+@pytest.mark.parametrize("coretype", kernel_sets() or ["none"])
+def test_the_int8_self_check_holds_on_every_kernel_set(model_cache, coretype):
+    """The start-up self-check on an int8 pool picks the batched path under each OpenBLAS
+    kernel set this CPU runs: Haswell's is what an AMD Zen 3 EPYC runs, where it had
+    picked requests one by one (a flipped code, docs/numerics.md). The kernel set is
+    chosen when OpenBLAS loads, hence a process per kernel set."""
+    import os
+    import sys
+
+    from common.tiny_model import ensure_tiny_model
+
+    if coretype == "none":
+        pytest.skip("not an x86-64 CPU with AVX2: OpenBLAS picks its own kernels")
+    path = str(ensure_tiny_model(model_cache, preset="small", arch="mistral_swa"))
+    env = dict(os.environ, OPENBLAS_CORETYPE=coretype)
+    out = subprocess.run(
+        [sys.executable, "-c", SELF_CHECK, path], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    blas, choice = out.stdout.strip().splitlines()[-2:]
+    assert coretype in blas and choice == "(True, True)", out.stdout
