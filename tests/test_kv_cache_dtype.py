@@ -212,14 +212,22 @@ def test_decode_buffer_attends_and_flushes_the_stored_values(small_model, kv_dty
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4", "fp16", "bf16"])
 def test_batched_equals_alone(small_model, kv_dtype):
     """The same tokens whether a request runs batched with others or alone: every read
-    of the pool (prefix, decode buffer, its own new tokens) sees the stored values."""
+    of the pool (prefix, decode buffer, its own new tokens) sees the stored values. Up to
+    a near tie: batched and alone the matmuls round differently, and a stored code (or a
+    16-bit value) can flip where a value sits on a boundary (docs/numerics.md)."""
     rng = random.Random(11)
     vocab = Harness(small_model, num_slots=16).vocab
     prompts = {f"r{i}": random_prompt(rng, n, vocab) for i, n in enumerate([9, 280, 64])}
-    batched = generate(Harness(small_model, kv_cache_dtype=kv_dtype), prompts, 10)
+    params = dataclasses.replace(greedy(10), logprobs=True, top_logprobs=2)
+    sampling = dict.fromkeys(prompts, params)
+    batched = generate(Harness(small_model, kv_cache_dtype=kv_dtype), prompts, 10, sampling)
+    compared = 0
     for rid, prompt in prompts.items():
-        alone = generate(Harness(small_model, kv_cache_dtype=kv_dtype), {rid: prompt}, 10)
-        assert alone[rid] == batched[rid], (kv_dtype, rid)
+        h = Harness(small_model, kv_cache_dtype=kv_dtype)
+        alone = generate(h, {rid: prompt}, 10, sampling)
+        margins = [top2_margin(top) for top in h.top[rid]]
+        compared += same_until_a_near_tie(batched[rid], alone[rid], margins, f"{kv_dtype} {rid}")
+    assert compared >= 15  # of 30 tokens
 
 
 # ---------------------------------------------------------------- serving
@@ -260,9 +268,11 @@ def test_int8_server_reuses_a_quantized_prefix(small_model, tmp_path):
             )  # fmt: skip
             answers.append(r)
         assert answers[1].usage.prompt_tokens_details.cached_tokens == 299
-        ids = [a.choices[0].model_extra["token_ids"] for a in answers]
-        assert ids[0] == ids[1]
-        assert_matches_quantized(small_model, prompt, ids[0])
+        # the cached answer recomputes the last prompt token alone, the cold one in a pass
+        # of 44: their rounding differs, and a code can flip (docs/numerics.md), so each
+        # is held to mlx-lm's quantized tokens by the near-tie rule, not to the other
+        for a in answers:
+            assert_matches_quantized(small_model, prompt, a.choices[0].model_extra["token_ids"])
         log = server.log()
         per_slot = 4 * 2 * 2 * (64 + 2 * 4)
         assert f"x {per_slot} bytes" in log and "stored as int8 (group 64)" in log, log[-2000:]
