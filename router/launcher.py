@@ -38,7 +38,7 @@ from router.frontdoor import FrontDoor
 from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
-from router.model_files import load_tokenizer, resolve_args
+from router.model_files import Refused, load_tokenizer, resolve_args
 from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
@@ -55,11 +55,13 @@ def serve(args: ServerArgs) -> int:
     setup_logging("router", args.log_level)
     if args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=args.model_path)
-    child_args = resolve_args(args, logger)
-    if child_args is None:
-        return 1
-    model_dir = child_args.model_path
     rank = launched_rank() if args.dist_hostfile else None
+    try:  # a rank of a group under mlx.launch listens on nothing of `serve`'s
+        child_args = resolve_args(args, None if rank else "serve")
+    except Refused as exc:
+        logger.error("%s", exc)
+        return exc.status
+    model_dir = child_args.model_path
     if rank:  # a machine of a group under mlx.launch that runs its rank only
         from worker_mlx.worker import run_worker
 

@@ -27,7 +27,7 @@ from common.log import setup_logging
 from common.model_identity import describe, model_identity
 from common.server_args import ServerArgs
 from router.metrics import Metrics
-from router.model_files import resolve_args
+from router.model_files import Refused, resolve_args
 from router.replica_server import ReplicaServer, replica_args_problem
 from router.supervisor import Children, Supervisor
 
@@ -43,9 +43,11 @@ def run_replica(args: ServerArgs) -> int:
     if problem:
         logger.error("%s", problem)
         return 2
-    child_args = resolve_args(args, logger)
-    if child_args is None:
-        return 1
+    try:
+        child_args = resolve_args(args, "replica")
+    except Refused as exc:
+        logger.error("%s", exc)
+        return exc.status
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)
