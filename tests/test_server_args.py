@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from common.server_args import (
-    ServerArgs,
     COMMANDS,
+    ServerArgs,
     add_command_args,
     args_from_namespace,
     cli_fields,
