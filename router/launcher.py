@@ -27,7 +27,7 @@ import uvicorn
 import uvloop
 import zmq.asyncio
 
-from common.child_process import set_title
+from common.child_process import server_title, set_title, start_resource_tracker
 from common.ipc import Endpoints
 from common.log import setup_logging
 from common.messages import ModelIdentity
@@ -51,10 +51,10 @@ HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being wri
 
 
 def serve(args: ServerArgs) -> int:
-    set_title("router")
-    setup_logging("router", args.log_level)
     if args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=args.model_path)
+    set_title("router", server_title(args.port, args.model_name))
+    setup_logging("router", args.log_level)
     rank = launched_rank() if args.dist_hostfile else None
     try:  # a rank of a group under mlx.launch listens on nothing of `serve`'s
         child_args = resolve_args(args, None if rank else "serve")
@@ -67,6 +67,7 @@ def serve(args: ServerArgs) -> int:
 
         run_worker(child_args, None, spec=launched_spec(child_args, rank))
         return 0
+    start_resource_tracker()
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)
