@@ -285,7 +285,7 @@ def test_errors_surface_as_openai_exceptions(server, oai):
         ),
         (openai.BadRequestError, "temperature must be >= 0", dict(temperature=-1)),
         (openai.BadRequestError, "top_p must be in (0, 1]", dict(top_p=1.5)),
-        (openai.BadRequestError, "maximum context length is 32768", dict(max_tokens=40000)),
+        (openai.BadRequestError, "maximum context length is 8192", dict(max_tokens=40000)),
     ]
     for exc, needle, kwargs in cases:
         with pytest.raises(exc) as info:
@@ -350,7 +350,7 @@ def test_malformed_bodies_get_openai_errors(server):
         (chat, {"messages": hi, "n": -1}, 400, "choices (prompts x n)"),
         (chat, {"messages": hi, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
         (chat, {"messages": hi, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-        (comp, {"prompt": "hi", "logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
+        (comp, {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         (chat, {"messages": hi, "model": "other"}, 404, "does not exist"),
         (comp, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token"),
         (comp, {"prompt": "hi", "logit_bias": {"512": 1}}, 400, "token ids in [0, 512)"),
