@@ -192,7 +192,8 @@ class _Routes:
         total = n * len(prompts)
         if not 1 <= total <= MAX_CHOICES:
             raise RequestError(
-                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {total}"
+                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {total}",
+                param="n",
             )
         choices = []
         for index in range(total):

@@ -9,6 +9,10 @@ replica sizes its pool from its share of the memory budget and the others start 
 is ready, with a pool of the same size (so do restarts). SIGTERM or SIGINT drains: new
 requests get 503, in-flight ones get up to --graceful-shutdown-timeout seconds; a second
 signal stops at once. Either way the children are stopped and the runtime directory removed.
+
+Exit status: 1 with one line for a flag value or a model that cannot work, 2 for an
+address it cannot listen on (both found before the model loads: `resolve_args`), 1 when
+the children crash-loop (--max-restarts), 0 after SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
