@@ -195,7 +195,12 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: C
             return 1
         manager.serving()
         zmq_port = args.zmq_port or args.port + 1
-        frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer, args.api_key)
+        try:
+            address = f"tcp://{args.host}:{zmq_port}"
+            frontdoor = FrontDoor(address, manager, tokenizer, args.api_key)
+        except zmq.ZMQError as exc:  # taken while the model loaded (it was free before)
+            logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
+            return 2
         door = asyncio.create_task(frontdoor.serve())
         shutdown = Shutdown(manager, anchor, args.graceful_shutdown_timeout)
         server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics),
