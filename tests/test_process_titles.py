@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,18 @@ def server(tiny_model, tmp_path_factory):
 
 
 def test_every_process_is_titled_role_port_model(server):
-    server.child("worker-standby", 60)  # spawned once serving: all children are there
-    titles = _titles(server.proc.pid)
     tail = f":{server.port} Tiny-Served"
-    for role in ("router", "worker", "scheduler", "worker-standby", "scheduler-standby",
-                 "resource-tracker"):  # fmt: skip
-        assert titles.get(f"radix-mlx::{role}") == f"radix-mlx::{role} {tail}", titles
+    roles = ("router", "worker", "scheduler", "worker-standby", "scheduler-standby",
+             "resource-tracker")  # fmt: skip
+    want = {f"radix-mlx::{role}": f"radix-mlx::{role} {tail}" for role in roles}
+    # the standbys are spawned once serving, and each titles itself after its imports
+    deadline = time.monotonic() + 60
+    while True:
+        titles = _titles(server.proc.pid)
+        if {role: titles.get(role) for role in want} == want:
+            break
+        assert time.monotonic() < deadline, titles
+        time.sleep(0.1)
     assert all(role.startswith("radix-mlx::") for role in titles), titles
 
 
