@@ -255,6 +255,7 @@ def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Confi
         loop="none",
         http="httptools",
         log_level="warning",
+        log_config=None,  # its loggers propagate to ours (common.log): one format
         lifespan="off",
         timeout_keep_alive=30,
         timeout_graceful_shutdown=HTTP_SHUTDOWN_TIMEOUT,

@@ -28,6 +28,7 @@ from collections import deque
 
 from common.child_process import STOP_SIGNAL, StopFlag
 from common.ipc import Endpoints
+from common.log import run_logged
 from common.server_args import ServerArgs
 from router.standby import Standbys
 from router.stop_signals import start_quietly
@@ -111,8 +112,8 @@ class Children:
         target = {"worker": run_worker, "scheduler": run_scheduler}[name]
         extra = (spec,) if spec is not None else ()
         return self.mp.Process(
-            target=target,
-            args=(self.args, self.endpoints, self.stopping, release, *extra),
+            target=run_logged,
+            args=(target, self.args, self.endpoints, self.stopping, release, *extra),
             name=(spec.name if spec is not None else name) + self.suffix,
         )
 
