@@ -9,8 +9,14 @@ the process's prefix, rather than dumped raw onto stderr.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
+
+# What transformers would say that is not ours to say: that PyTorch is absent (we use its
+# tokenizers only), that a prompt exceeds the tokenizer's length (the router checks
+# lengths itself and answers the client). Read when transformers is imported.
+QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
 class _Formatter(logging.Formatter):
@@ -24,6 +30,13 @@ class _Formatter(logging.Formatter):
         when = self.formatTime(record, "%Y-%m-%d %H:%M:%S")
         prefix = f"[{when} {self.process_name}] "
         return "\n".join(prefix + line for line in super().format(record).split("\n"))
+
+
+def quiet_libraries() -> None:
+    """Before anything imports transformers; the children inherit the environment. An
+    operator's own setting wins."""
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
 
 
 def setup_logging(process_name: str, level: str = "info") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.log import quiet_libraries
 from common.server_args import add_serve_args, args_from_namespace
 
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         from router.launcher import serve

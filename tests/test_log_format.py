@@ -76,4 +76,11 @@ def test_a_served_request_leaves_only_our_format(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/completions", content=body,
                    headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     assert r.status_code in (200, 400, 500)
-    assert _foreign(tiny_server.log()) == [], tiny_server.log(30)
+    # longer than the tokenizer's model_max_length (32768): refused by us, not by it
+    long = " ".join(f"w{i}" for i in range(40000))
+    r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": long}, timeout=60)
+    assert r.status_code == 400, r.text
+    log = tiny_server.log()
+    assert "PyTorch was not found" not in log
+    assert "Token indices sequence length" not in log
+    assert _foreign(log) == [], tiny_server.log(30)
