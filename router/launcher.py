@@ -43,12 +43,20 @@ from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
 from router.stop_signals import hold_stop_signals, on_loop
-from router.supervisor import Children, Supervision, Supervisor
+from router.supervisor import STOP_TIMEOUT, Children, Supervision, Supervisor
 from router.worker_group import launched_rank, launched_spec
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
 HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being written
+
+
+def stop_bound(args: ServerArgs) -> float:
+    """The longest `serve` or `replica` takes to exit after SIGTERM: the drain, uvicorn's
+    close, then the children asked to stop and, after STOP_TIMEOUT, killed. A service
+    manager must wait longer than this before its SIGKILL (deploy/: TimeoutStopSec,
+    ExitTimeOut)."""
+    return args.graceful_shutdown_timeout + HTTP_SHUTDOWN_TIMEOUT + 2 * STOP_TIMEOUT
 
 
 def serve(args: ServerArgs) -> int:
