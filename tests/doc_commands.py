@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 SHELL_FENCES = ("bash", "sh", "shell", "console", "")
+SEPARATORS = ("|", ";", "&&", "||", "&", "--", "exec", "sudo", "(")
 
 
 def shell_blocks(markdown: str) -> list[str]:
@@ -32,22 +33,25 @@ def shell_lines(script: str) -> list[str]:
 
 
 def radix_commands(line: str) -> list[list[str]]:
-    """Each `radix-mlx SUBCOMMAND ...` on a shell line, as its words after `radix-mlx`
-    (up to a `|`, `;`, `&&` or `&`); a path ending in radix-mlx counts too."""
+    """Each `radix-mlx SUBCOMMAND ...` run on a shell line (the first word of a command,
+    also after `--` as under mlx.launch; a path ending in radix-mlx counts; a script's
+    `$RADIX_MLX` anywhere, as it may be a helper's argument), as its words
+    after `radix-mlx` up to a `|`, `;`, `&&` or `&`."""
     try:
         words = shlex.split(line, comments=True)
     except ValueError:
         return []
-    out, current = [], None
+    out, current, starts = [], None, True
     for word in words:
-        if word in ("|", ";", "&&", "||", "&") or word.endswith(";"):
-            current = None
-            continue
-        if current is not None:
+        if word in SEPARATORS:
+            current, starts = None, True
+        elif current is not None:
             current.append(word)
-        elif re.search(r"(^|/)radix-mlx$", word) or word == "$RADIX_MLX":
+        elif word == "$RADIX_MLX" or (starts and re.search(r"(^|/)radix-mlx$", word)):
             current = []
             out.append(current)
+        else:
+            starts = re.fullmatch(r"\w+=\S*", word) is not None  # VAR=value radix-mlx ...
     return [c for c in out if c]
 
 
@@ -70,6 +74,12 @@ def commands_in(path: Path) -> list[list[str]]:
     return [c for line in lines for c in radix_commands(line)]
 
 
+def inline_spans(markdown: str) -> list[str]:
+    """The inline code spans of a Markdown text (outside its fenced blocks), one line each."""
+    prose = _FENCE.sub("", markdown)
+    return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)]
+
+
 def flags(command: list[str]) -> list[str]:
-    """The `--flag` words of a command (`--flag=value` as `--flag`)."""
-    return [w.split("=", 1)[0] for w in command if w.startswith("--")]
+    """The `--flag`s of a command (`--flag=value` and a usage line's `[--flag X]` too)."""
+    return re.findall(r"(?<![\w-])--[a-z][\w-]*", " ".join(command))
