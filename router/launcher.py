@@ -80,8 +80,9 @@ def serve(args: ServerArgs) -> int:
 
         run_worker(child_args, None, spec=launched_spec(child_args, rank))
         return 0
-    hold_stop_signals()  # until the loop takes them (router.stop_signals)
+    # the tracker first: multiprocessing unblocks SIGINT and SIGTERM once it has started it
     start_resource_tracker()
+    hold_stop_signals()  # until the loop takes them (router.stop_signals)
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)

@@ -50,8 +50,9 @@ def run_replica(args: ServerArgs) -> int:
     except Refused as exc:
         logger.error("%s", exc)
         return exc.status
-    hold_stop_signals()  # until the loop takes them (router.stop_signals)
+    # the tracker first: multiprocessing unblocks SIGINT and SIGTERM once it has started it
     start_resource_tracker()
+    hold_stop_signals()  # until the loop takes them (router.stop_signals)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)
