@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from common.sizes import parse_size
+
 REQUIRED: Any = dataclasses.MISSING
 
 
@@ -39,6 +41,20 @@ class ServerArgs:
         None,
         "share of free memory the auto-sized KV pool may take "
         "(default: the device backend's, 0.8 on a GPU (Metal, CUDA), 0.5 on the CPU)",
+    )
+    max_memory: str | None = flag(
+        None,
+        "most memory the worker process may use, as bytes or e.g. 12GiB, 800MB: weights, "
+        "KV and state pools, the decode buffer and each step's temporaries all count, and "
+        "requests are admitted, chunked or refused to stay under it (default: the device "
+        "backend's safe share: on Metal the GPU's recommended working set, on the CPU "
+        "MemAvailable at start less 10% (at least 512 MiB), on CUDA the free memory)",
+        metavar="SIZE",
+    )
+    memory_wait_timeout: float = flag(
+        30.0,
+        "seconds a request that fits --max-memory alone, but not beside the running ones, "
+        "may wait in the queue before it gets 503 with Retry-After",
     )
     kv_cache_dtype: str = flag(
         "auto",
@@ -193,6 +209,15 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 2")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.max_memory is not None:
+            try:
+                size = parse_size(self.max_memory)
+            except ValueError as exc:
+                raise ValueError(f"--max-memory: {exc}") from None
+            if size < 1 << 20:
+                raise ValueError(f"--max-memory {self.max_memory}: at least 1MiB")
+        if self.memory_wait_timeout < 0:
+            raise ValueError("--memory-wait-timeout must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
@@ -240,6 +265,11 @@ class ServerArgs:
             )
         if self.group_size > 1 and self.dp_size > 1:
             raise ValueError("--dp-size above 1 with --tp-size/--pp-size is not supported")
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        """--max-memory in bytes (None: the backend's default)."""
+        return None if self.max_memory is None else parse_size(self.max_memory)
 
     @property
     def group_size(self) -> int:

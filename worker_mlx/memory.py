@@ -1,0 +1,166 @@
+"""The worker's side of --max-memory: the budget, what the process holds, what its steps
+add (reported to the scheduler in `WorkerReady.memory`), and the last line of defence
+around each step.
+
+- `budget()`: --max-memory, or the device backend's default (`Backend.max_memory()`, asked
+  before the model loads), split among the worker processes on this machine.
+- `step_figures()`: the per-token and per-pair bytes of a step's temporaries, from the
+  model's own shapes; `scheduler/memory_budget.py` does the arithmetic with them.
+- `StepGuard`: before a step runs, what mlx holds now plus what the step will add must fit
+  the budget, else the step is refused as out of memory (its requests get a 503, the
+  worker goes on). It catches what the scheduler cannot see: buffers the worker keeps
+  (a kept lookahead buffer), an estimate that fell short.
+- `is_out_of_memory(exc)`: mlx's own allocation failures. On Metal mlx raises
+  `[metal::malloc] ...`; the CPU backend of mlx 0.32 does not check `malloc` at all (a
+  failed allocation is a segfault, and Linux overcommits anyway, so the OOM killer
+  comes first): there, only admission and the guard keep the process alive, and the
+  supervisor restarts a worker that died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+
+import mlx.core as mx
+
+from common.messages import DecodeBatch, ExtendBatch, MemoryReport
+from common.sizes import format_size
+from scheduler.memory_budget import MemoryBudget
+
+logger = logging.getLogger("worker")
+
+OOM_MARKERS = ("[malloc]", "[metal::malloc]", "unable to allocate", "out of memory", "bad_alloc")
+# Tests only: a cap on the worker's address space (bytes beyond what it maps once loaded),
+# so allocations past it fail; and a budget reported to the scheduler in place of the real
+# one, so admission lets through what the guard must then refuse.
+TEST_ADDRESS_SPACE = "RADIX_MLX_TEST_WORKER_ADDRESS_SPACE"
+TEST_REPORTED_BUDGET = "RADIX_MLX_TEST_REPORTED_BUDGET"
+
+
+class StepOutOfMemory(RuntimeError):
+    """A step that would not fit (or did not): its requests fail, the worker goes on."""
+
+
+def budget(max_memory: int | None, backend, processes: int) -> int:
+    """This worker process's bytes: --max-memory (or the backend's default) divided by the
+    worker processes on this machine (--dp-size replicas, ranks of a group)."""
+    total = max_memory if max_memory is not None else backend.max_memory()
+    return total // max(processes, 1)
+
+
+def _dims(model) -> tuple[int, int, int]:
+    """(attention heads, hidden size, MLP width per token) from the model's args (a
+    multimodal model's `text_config`); a MoE counts its active experts' widths."""
+    args = model.args if hasattr(model, "args") else object()
+    fields = dict(vars(args)) if hasattr(args, "__dict__") else {}
+    fields.update(fields.get("text_config") or {})
+
+    def first(*names, default=0):
+        return next((int(fields[n]) for n in names if fields.get(n)), default)
+
+    hidden = first("hidden_size", "d_model", "dim", default=1024)
+    heads = first("num_attention_heads", "n_heads", "n_head", default=hidden // 64)
+    experts = first("num_experts_per_tok", "moe_topk", default=1)
+    width = first("moe_intermediate_size", default=0) * experts
+    width = max(width, first("intermediate_size", "ffn_hidden_size", default=4 * hidden))
+    shared = first("shared_expert_intermediate_size", default=0)
+    return heads, hidden, width + shared
+
+
+def step_figures(model, layout, state_layout, vocab: int, prefill_step: int) -> dict:
+    """The MemoryReport fields that describe a step's temporaries (not budget, fixed):
+    scores in float32 plus a byte of mask per (query, key) pair and window; K/V gathered
+    decoded in the model's dtype; ~6 hidden-wide and 4 MLP-wide float32 vectors per token
+    (measured on the CPU: docs/performance.md); logits and the sampler's copies per row."""
+    heads, hidden, width = _dims(model)
+    windows = len({w for w in layout.windows if w is not None})
+    decoded = dataclasses.replace(layout, kv_cache_dtype="auto")
+    state = state_layout.bytes_per_slot if state_layout is not None else 0
+    return dict(
+        kv_token_bytes=decoded.bytes_per_slot,
+        score_bytes=4 * heads + 1 + windows,
+        act_token_bytes=4 * (6 * hidden + 4 * width),
+        row_bytes=4 * 4 * vocab + 2 * state,
+        prefill_step=prefill_step,
+    )
+
+
+def pool_bytes(total: int, figures: dict, fraction: float) -> int:
+    """What an auto-sized pool may take: the budget less what mlx holds now (the weights)
+    and one prefill pass's temporaries, times the fraction."""
+    report = MemoryReport(budget=total, fixed=mx.get_active_memory(), **figures)
+    step = figures["prefill_step"]
+    reserve = MemoryBudget(report).extend_bytes([(step, step)])
+    left = total - report.fixed - reserve
+    if left <= 0:
+        raise SystemExit(
+            f"--max-memory ({format_size(total)}) leaves nothing for a KV pool beside the "
+            f"weights ({format_size(report.fixed)}) and a prefill step ({format_size(reserve)})"
+        )
+    return int(left * fraction)
+
+
+def report(total: int, figures: dict) -> MemoryReport:
+    """The report, `fixed` measured now that the weights and pools are allocated."""
+    out = MemoryReport(budget=total, fixed=mx.get_active_memory(), **figures)
+    logger.info(
+        "memory: budget %s (--max-memory), held %s (weights and pools), %s for steps",
+        format_size(out.budget), format_size(out.fixed), format_size(out.budget - out.fixed),
+    )  # fmt: skip
+    if out.fixed >= out.budget:
+        raise SystemExit(
+            f"the weights and pools ({format_size(out.fixed)}) do not fit --max-memory "
+            f"({format_size(out.budget)}): lower --max-total-tokens or raise --max-memory"
+        )
+    reported = os.environ.get(TEST_REPORTED_BUDGET)
+    if reported:
+        return dataclasses.replace(out, budget=int(reported))
+    return out
+
+
+class StepGuard:
+    """Refuses a step whose predicted peak, on top of what mlx holds now, exceeds the
+    budget (see the module docstring)."""
+
+    def __init__(self, memory: MemoryReport):
+        self.budget = memory.budget
+        self.math = MemoryBudget(dataclasses.replace(memory, fixed=0))
+
+    def check(self, runner, msg: ExtendBatch | DecodeBatch) -> None:
+        if isinstance(msg, ExtendBatch):
+            rows = [(len(r.prefix_slot_ids), len(r.input_ids)) for r in msg.reqs]
+            need = self.math.extend_bytes(rows)
+        else:
+            lens = [len(runner.reqs[rid].slots) + 1 for rid in msg.rids if rid in runner.reqs]
+            held = runner.buffer.nbytes() if runner.buffer is not None else 0
+            need = max(self.math.decode_bytes(lens) - held, 0)
+        active = mx.get_active_memory()
+        if active + need > self.budget:
+            raise StepOutOfMemory(
+                f"out of memory computing this step: it needs {format_size(need)} beside "
+                f"the {format_size(active)} held, over --max-memory ({format_size(self.budget)})"
+            )
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure (mlx's, or Python's MemoryError)."""
+    if isinstance(exc, (MemoryError, StepOutOfMemory)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in OOM_MARKERS)
+
+
+def apply_test_limits() -> None:
+    """Tests only (TEST_ADDRESS_SPACE): cap the address space at what is mapped now plus
+    the given bytes, so that allocations beyond it fail."""
+    extra = os.environ.get(TEST_ADDRESS_SPACE)
+    if not extra:
+        return
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    limit = vm + int(extra)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    logger.warning("test address-space cap: %s (%s mapped now)", format_size(limit), format_size(vm))
