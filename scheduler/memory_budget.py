@@ -99,6 +99,12 @@ class MemoryBudget:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
 
+    def can_join(self, decoding: list[int], seq_len: int) -> bool:
+        """Whether a request of `seq_len` tokens can decode beside requests of `decoding`
+        lengths (those running and those this step's prefill completes): admitting one
+        that cannot would only prefill it to retract it at the next decode step."""
+        return self.decode_bytes(decoding + [seq_len + 1]) <= self.headroom
+
     def never_fits(self, prompt: int, max_new: int) -> str | None:
         """Why a request can never run under the budget, even alone, or None: the last
         chunk of its prompt at the smallest size, or its last decode step."""

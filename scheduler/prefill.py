@@ -61,6 +61,7 @@ def build_prefill(
         return None  # a full running set: skip matching every waiting prompt
     batch = PrefillBatch([], [], 0, 0)
     running_lens = [r.seq_len for r in running]
+    decoding = list(running_lens)  # and the requests whose prompt this step completes
     rows: list[tuple[int, int]] = []  # (tokens before, new tokens) of each picked row
     candidates = [(chunked, chunked.cache_len)] if chunked else []
     candidates += order_waiting(waiting, kv, policy)
@@ -80,6 +81,8 @@ def build_prefill(
         if memory is not None:
             before = req.seq_len - new
             chunk = memory.largest_chunk(running_lens, rows, before, min(new, token_budget))
+            if req is not chunked and not memory.can_join(decoding, req.seq_len):
+                chunk = 0
             if chunk == 0:
                 req.memory_blocked = req.memory_blocked or time.monotonic()
                 break
@@ -102,6 +105,7 @@ def build_prefill(
         rows.append((req.num_computed - take, take))
         if req.num_computed < req.seq_len:
             break  # a chunk cut short (by memory): this request is the step's chunked one
+        decoding.append(req.seq_len)
     return batch if batch.reqs else None
 
 
