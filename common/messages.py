@@ -318,6 +318,8 @@ class MemoryReport:
     act_token_bytes: int  # per prefill token: hidden states and MLP activations
     row_bytes: int  # per sampled row: logits and the sampler's temporaries
     prefill_step: int  # tokens per forward pass and row (--prefill-step-size)
+    cache: int = 0  # of `fixed`: freed buffers mlx's cache may keep for reuse
+    process: int = 0  # of `fixed`: the process before the model (interpreter, libraries)
 
 
 @dataclass

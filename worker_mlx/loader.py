@@ -34,6 +34,7 @@ def load_runner(
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
     processes = args.dp_size * (rank.spec.ranks_on_host if rank is not None else 1)
     total = memory.budget(args.max_memory_bytes, backend, processes)  # before the weights
+    on_cpu = backend.name == "cpu"  # the process's own memory is the budget's there
     model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path, rank)
     layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
@@ -49,7 +50,8 @@ def load_runner(
     figures = memory.step_figures(model, layout, state_layout, vocab_size, step)
     share = None
     if args.max_total_tokens is None:
-        share = memory.pool_bytes(total, figures, args.mem_fraction_static or backend.mem_fraction)
+        fraction = args.mem_fraction_static or backend.mem_fraction
+        share = memory.pool_bytes(total, figures, fraction, on_cpu)
     pool, states = _make_pools(args, backend, layout, state_layout, share, draft, rank)
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
@@ -75,7 +77,7 @@ def load_runner(
         blas=blas,
         num_state_slots=states.num_slots if states is not None else 0,
         verifies_drafts=runner.verifies_drafts,
-        memory=memory.report(total, figures),
+        memory=memory.report(total, figures, on_cpu),
     )
     return runner, ready
 

@@ -40,6 +40,9 @@ TEST_ADDRESS_SPACE = "RADIX_MLX_TEST_WORKER_ADDRESS_SPACE"
 TEST_REPORTED_BUDGET = "RADIX_MLX_TEST_REPORTED_BUDGET"
 
 
+CACHE_MIN, CACHE_MAX = 16 << 20, 1 << 30  # mlx's buffer cache under --max-memory
+
+
 class StepOutOfMemory(RuntimeError):
     """A step that would not fit (or did not): its requests fail, the worker goes on."""
 
@@ -88,32 +91,60 @@ def step_figures(model, layout, state_layout, vocab: int, prefill_step: int) -> 
     )
 
 
-def pool_bytes(total: int, figures: dict, fraction: float) -> int:
-    """What an auto-sized pool may take: the budget less what mlx holds now (the weights)
-    and one prefill pass's temporaries, times the fraction."""
-    report = MemoryReport(budget=total, fixed=mx.get_active_memory(), **figures)
+def pool_bytes(total: int, figures: dict, fraction: float, count_process: bool = False) -> int:
+    """What an auto-sized pool may take: the budget less what is held now (the weights,
+    the process) and one prefill pass's temporaries, times the fraction."""
+    process = process_bytes() if count_process else 0
+    report = MemoryReport(budget=total, fixed=mx.get_active_memory() + process, **figures)
     step = figures["prefill_step"]
     reserve = MemoryBudget(report).extend_bytes([(step, step)])
     left = total - report.fixed - reserve
     if left <= 0:
-        raise SystemExit(
+        _refuse(
             f"--max-memory ({format_size(total)}) leaves nothing for a KV pool beside the "
-            f"weights ({format_size(report.fixed)}) and a prefill step ({format_size(reserve)})"
+            f"weights and process ({format_size(report.fixed)}) and a prefill step "
+            f"({format_size(reserve)})"
         )
     return int(left * fraction)
 
 
-def report(total: int, figures: dict) -> MemoryReport:
-    """The report, `fixed` measured now that the weights and pools are allocated."""
-    out = MemoryReport(budget=total, fixed=mx.get_active_memory(), **figures)
+def _refuse(reason: str):
+    logger.error("cannot serve: %s", reason)
+    raise SystemExit(2)
+
+
+def process_bytes() -> int:
+    """The process's resident memory beside mlx's arrays (the interpreter, the libraries,
+    the tokenizer): resident set less mlx's active memory (Linux; 0 where /proc has none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(resident - mx.get_active_memory(), 0)
+
+
+def report(total: int, figures: dict, count_process: bool = False) -> MemoryReport:
+    """The report, `fixed` measured now that the weights and pools are allocated: what mlx
+    holds, the rest of the process (`count_process`: on the CPU, where it shares the
+    budget's memory), and mlx's buffer cache, held at a quarter of what is left
+    (at most CACHE_MAX): its freed buffers stay in the process beside a step's new ones."""
+    process = process_bytes() if count_process else 0
+    held = mx.get_active_memory() + process
+    cache = min(CACHE_MAX, max((total - held) // 4, CACHE_MIN))
+    fixed = held + cache
+    out = MemoryReport(total, fixed, **figures, cache=cache, process=process)
     logger.info(
-        "memory: budget %s (--max-memory), held %s (weights and pools), %s for steps",
-        format_size(out.budget), format_size(out.fixed), format_size(out.budget - out.fixed),
+        "memory: budget %s (--max-memory), held %s (weights and pools %s, process %s, "
+        "buffer cache %s), %s for steps",
+        format_size(total), format_size(fixed), format_size(fixed - cache - process),
+        format_size(process), format_size(cache), format_size(total - fixed),
     )  # fmt: skip
     if out.fixed >= out.budget:
-        raise SystemExit(
-            f"the weights and pools ({format_size(out.fixed)}) do not fit --max-memory "
-            f"({format_size(out.budget)}): lower --max-total-tokens or raise --max-memory"
+        _refuse(
+            f"the weights, pools and process ({format_size(out.fixed)}) do not fit "
+            f"--max-memory ({format_size(out.budget)}): lower --max-total-tokens or raise "
+            "--max-memory"
         )
     reported = os.environ.get(TEST_REPORTED_BUDGET)
     if reported:
@@ -126,7 +157,9 @@ class StepGuard:
     budget (see the module docstring)."""
 
     def __init__(self, memory: MemoryReport):
-        self.budget = memory.budget
+        # the cache may hold freed buffers beside what is active (the process is not in
+        # mlx's count of active memory)
+        self.budget = memory.budget - memory.cache - memory.process
         self.math = MemoryBudget(dataclasses.replace(memory, fixed=0))
 
     def check(self, runner, msg: ExtendBatch | DecodeBatch) -> None:

@@ -56,7 +56,7 @@ def run_worker(
     runner, ready = load_runner(args, blas, rank)
     runner.guard = StepGuard(ready.memory)
     apply_test_limits()
-    cache = BufferCacheBound()
+    cache = BufferCacheBound(ready.memory.cache)
     ctx = zmq.Context()
     trace = Trace(args.trace_dir, name)
     probe = CollectiveProbe(rank, runner.model) if rank is not None else None
