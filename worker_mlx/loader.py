@@ -64,6 +64,7 @@ def load_runner(
     runner.pipeline_stage = stage
     if draft is not None:
         _attach_draft(args.speculative_draft_model_path, runner, *draft)
+    held = runner.memory = memory.report(total, figures, on_cpu)
     ready = WorkerReady(
         num_slots=pool.num_slots,
         model_type=model_type,
@@ -77,7 +78,7 @@ def load_runner(
         blas=blas,
         num_state_slots=states.num_slots if states is not None else 0,
         verifies_drafts=runner.verifies_drafts,
-        memory=memory.report(total, figures, on_cpu),
+        memory=memory.for_scheduler(held),
     )
     return runner, ready
 

@@ -146,10 +146,13 @@ def report(total: int, figures: dict, count_process: bool = False) -> MemoryRepo
             f"--max-memory ({format_size(out.budget)}): lower --max-total-tokens or raise "
             "--max-memory"
         )
-    reported = os.environ.get(TEST_REPORTED_BUDGET)
-    if reported:
-        return dataclasses.replace(out, budget=int(reported))
     return out
+
+
+def for_scheduler(memory: MemoryReport) -> MemoryReport:
+    """The report the scheduler gets: the real one, but for tests (TEST_REPORTED_BUDGET)."""
+    reported = os.environ.get(TEST_REPORTED_BUDGET)
+    return dataclasses.replace(memory, budget=int(reported)) if reported else memory
 
 
 class StepGuard:
@@ -160,6 +163,7 @@ class StepGuard:
         # the cache may hold freed buffers beside what is active (the process is not in
         # mlx's count of active memory)
         self.budget = memory.budget - memory.cache - memory.process
+        self.total = memory.budget
         self.math = MemoryBudget(dataclasses.replace(memory, fixed=0))
 
     def check(self, runner, msg: ExtendBatch | DecodeBatch) -> None:
@@ -174,7 +178,8 @@ class StepGuard:
         if active + need > self.budget:
             raise StepOutOfMemory(
                 f"out of memory computing this step: it needs {format_size(need)} beside "
-                f"the {format_size(active)} held, over --max-memory ({format_size(self.budget)})"
+                f"the {format_size(active)} mlx holds, over the {format_size(self.budget)} "
+                f"that --max-memory ({format_size(self.total)}) leaves mlx"
             )
 
 
@@ -186,14 +191,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in OOM_MARKERS)
 
 
-def apply_test_limits() -> None:
-    """Tests only (TEST_ADDRESS_SPACE): cap the address space at what is mapped now plus
-    the given bytes, so that allocations beyond it fail."""
-    extra = os.environ.get(TEST_ADDRESS_SPACE)
-    if not extra:
+def apply_test_limits(memory: MemoryReport) -> None:
+    """Tests only (TEST_ADDRESS_SPACE = slack bytes): cap the address space at what is
+    mapped now plus what the budget leaves the steps and the cache, plus the slack, so
+    that allocations beyond --max-memory fail."""
+    slack = os.environ.get(TEST_ADDRESS_SPACE)
+    if not slack:
         return
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    limit = vm + int(extra)
+    limit = vm + memory.budget - memory.fixed + memory.cache + int(slack)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     logger.warning("test address-space cap: %s (%s mapped now)", format_size(limit), format_size(vm))

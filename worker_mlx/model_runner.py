@@ -79,6 +79,7 @@ class ModelRunner:
         self.pipeline_stage = False
         self.drafter = None  # the DraftModel of --speculative-algorithm draft (the loader's)
         self.guard = None  # the worker's memory.StepGuard (None: no check before a step)
+        self.memory = None  # the loader's MemoryReport: what --max-memory allows and holds
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""

@@ -54,9 +54,9 @@ def run_worker(
     wait_for_release("worker", release)
     rank = join_group(spec) if spec is not None else None
     runner, ready = load_runner(args, blas, rank)
-    runner.guard = StepGuard(ready.memory)
-    apply_test_limits()
-    cache = BufferCacheBound(ready.memory.cache)
+    runner.guard = StepGuard(runner.memory)
+    cache = BufferCacheBound(runner.memory.cache)
+    apply_test_limits(runner.memory)
     ctx = zmq.Context()
     trace = Trace(args.trace_dir, name)
     probe = CollectiveProbe(rank, runner.model) if rank is not None else None
