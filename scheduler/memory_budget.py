@@ -20,14 +20,17 @@ An extend step holds the running requests' decode buffer too (it stays alive).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from common.messages import MemoryReport
+from common.messages import MemoryReport, ReqError
 from common.sizes import format_size
+from scheduler.request import Req
 
 GROW_STEP = 256  # the decode buffer's column rounding (DecodeBuffer.GROW_STEP)
 BUFFER_COPIES = 3  # doubled capacity, plus the old buffer while it grows
 MIN_CHUNK = 32  # the smallest prefill chunk admission shrinks a prompt's chunk to
+RETRY_AFTER = 5.0  # seconds, the Retry-After of a 503 for want of memory
 
 
 def _round_up(n: int, step: int) -> int:
@@ -86,6 +89,7 @@ class MemoryBudget:
         """The most of `new` tokens after `before` that fit beside the running requests
         and the rows already picked for this step (0: not even MIN_CHUNK, or all of a
         shorter remainder)."""
+
         def fits(take: int) -> bool:
             step = self.step_bytes(running, picked + [(before, take)])
             return step <= self.headroom
@@ -98,6 +102,10 @@ class MemoryBudget:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         return lo
+
+    def over(self, lens: list[int]) -> bool:
+        """Whether a decode step of rows at these lengths would exceed the budget."""
+        return self.decode_bytes(lens) > self.headroom
 
     def can_join(self, decoding: list[int], seq_len: int) -> bool:
         """Whether a request of `seq_len` tokens can decode beside requests of `decoding`
@@ -129,3 +137,18 @@ class MemoryBudget:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if self.never_fits(mid, max_new) is None else (lo, mid - 1)
         return lo
+
+
+def waited_too_long(waiting: list[Req], limit: float) -> list[Req]:
+    """Waiting requests that admission has found no memory for, for over `limit` s."""
+    now = time.monotonic()
+    return [r for r in waiting if r.memory_blocked and now - r.memory_blocked > limit]
+
+
+def wait_error(req: Req, running: int) -> ReqError:
+    """The 503 of a request that fits alone but found no room beside the running ones."""
+    message = (
+        f"not enough memory beside the {running} running request(s) for "
+        f"{time.monotonic() - req.arrival:.0f} s (--max-memory); retry later"
+    )
+    return ReqError(req.rid, message, "insufficient_memory", 503, RETRY_AFTER)

@@ -27,7 +27,7 @@ from common.messages import (
 )
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
-from scheduler.memory_budget import MemoryBudget
+from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
 from scheduler.speculation import Speculator
@@ -36,7 +36,6 @@ logger = logging.getLogger("scheduler")
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-MEMORY_RETRY_AFTER = 5.0  # seconds, the Retry-After of a 503 for want of memory
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
@@ -180,7 +179,8 @@ class Scheduler:
 
     def _decode_batch(self) -> DecodeBatch:
         while len(self.running) > 1 and (
-            self.kv.budget() < len(self.running) or self._memory_short()
+            self.kv.budget() < len(self.running)
+            or (self.memory and self.memory.over([r.seq_len for r in self.running]))
         ):
             self._retract_one()
         locs = self.kv.alloc(len(self.running))
@@ -209,27 +209,12 @@ class Scheduler:
 
     def _expire_memory_waits(self) -> None:
         """Waiting requests that found no memory beside the running ones for longer than
-        --memory-wait-timeout get a 503 with Retry-After (they fit alone: see
-        `_reject_reason`)."""
-        now, limit = time.monotonic(), self.args.memory_wait_timeout
-        for req in [r for r in self.waiting if r.memory_blocked and now - r.memory_blocked > limit]:
+        --memory-wait-timeout get a 503 (they fit alone: see `_reject_reason`)."""
+        for req in waited_too_long(self.waiting, self.args.memory_wait_timeout):
             self.waiting.remove(req)
             self.reqs.pop(req.rid, None)
             self.spec.forget(req.rid)
-            message = (
-                f"not enough memory beside the {len(self.running)} running request(s) "
-                f"for {now - req.arrival:.0f} s (--max-memory); retry later"
-            )
-            self.outputs.append(
-                ReqError(req.rid, message, "insufficient_memory", 503, MEMORY_RETRY_AFTER)
-            )
-
-    def _memory_short(self) -> bool:
-        """Whether the next decode step of the running set would exceed --max-memory."""
-        if self.memory is None:
-            return False
-        need = self.memory.decode_bytes([r.seq_len for r in self.running])
-        return need > self.memory.headroom
+            self.outputs.append(wait_error(req, len(self.running)))
 
     def _retract_one(self) -> None:
         """Send the request with the least progress back to the queue; its KV stays cached."""
@@ -343,7 +328,7 @@ class Scheduler:
                 self._release(req, keep=False)
             self.reqs.pop(req.rid, None)
             if oom:  # the worker goes on: the same request may fit later
-                error = ReqError(req.rid, message, "out_of_memory", 503, MEMORY_RETRY_AFTER)
+                error = ReqError(req.rid, message, "out_of_memory", 503, RETRY_AFTER)
             else:
                 error = ReqError(req.rid, message, code="internal_error", status=500)
             self.outputs.append(error)

@@ -58,7 +58,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _restarts(srv: ServerProcess) -> float:
     text = httpx.get(srv.url + "/metrics", timeout=10).text
-    found = re.findall(r'radix_mlx_process_restarts_total\{[^}]*process="worker"[^}]*\} (\S+)', text)
+    found = re.findall(
+        r'radix_mlx_process_restarts_total\{[^}]*process="worker"[^}]*\} (\S+)', text
+    )
     return sum(float(x) for x in found)
 
 
@@ -74,9 +76,7 @@ def small_model(tiny_arch) -> str:
     return tiny_arch("qwen3", "small")
 
 
-def test_long_prompts_under_a_cap_never_crash_and_the_server_serves_after(
-    small_model, tmp_path
-):
+def test_long_prompts_under_a_cap_never_crash_and_the_server_serves_after(small_model, tmp_path):
     srv = _start(small_model, tmp_path / "server.log", "330MiB", {})
     try:
         worker = srv.child("worker")
@@ -107,9 +107,7 @@ def test_long_prompts_under_a_cap_never_crash_and_the_server_serves_after(
         srv.stop()
 
 
-def test_a_step_past_the_budget_fails_alone_with_503_and_the_worker_goes_on(
-    small_model, tmp_path
-):
+def test_a_step_past_the_budget_fails_alone_with_503_and_the_worker_goes_on(small_model, tmp_path):
     """The scheduler is told of a far bigger budget (test-only), so it admits steps the
     worker's guard must refuse: their requests get 503 naming the cause, the worker
     survives the cap, and the next request is served exactly."""

@@ -202,4 +202,6 @@ def apply_test_limits(memory: MemoryReport) -> None:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     limit = vm + memory.budget - memory.fixed + memory.cache + int(slack)
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    logger.warning("test address-space cap: %s (%s mapped now)", format_size(limit), format_size(vm))
+    logger.warning(
+        "test address-space cap: %s (%s mapped now)", format_size(limit), format_size(vm)
+    )

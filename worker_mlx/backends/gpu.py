@@ -84,7 +84,9 @@ class CudaBackend(Backend):
             return int(info["free_memory"]) + mx.get_active_memory()
         total = info.get("total_memory") or info.get("memory_size")
         if total is None:
-            raise RuntimeError(f"mlx reports no CUDA memory size ({sorted(info)}); pass --max-memory")
+            raise RuntimeError(
+                f"mlx reports no CUDA memory size ({sorted(info)}); pass --max-memory"
+            )
         return int(total)
 
 
