@@ -35,11 +35,13 @@ class ServerArgs:
     host: str = flag("127.0.0.1", "HTTP bind address")
     port: int = flag(30000, "HTTP port")
     max_total_tokens: int | None = flag(
-        None, "KV pool size in tokens (default: auto, free memory x --mem-fraction-static)"
+        None,
+        "KV pool size in tokens (default: auto, what --max-memory leaves beside the weights "
+        "and a prefill pass x --mem-fraction-static)",
     )
     mem_fraction_static: float | None = flag(
         None,
-        "share of free memory the auto-sized KV pool may take "
+        "share of what --max-memory leaves beside the weights the auto-sized KV pool may take "
         "(default: the device backend's, 0.8 on a GPU (Metal, CUDA), 0.5 on the CPU)",
     )
     max_memory: str | None = flag(
