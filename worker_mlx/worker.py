@@ -54,7 +54,8 @@ def run_worker(
     wait_for_release("worker", release)
     rank = join_group(spec) if spec is not None else None
     runner, ready = load_runner(args, blas, rank)
-    runner.guard = StepGuard(runner.memory)
+    # not in a group: each rank's own count could refuse a step the others run
+    runner.guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
     apply_test_limits(runner.memory)
     ctx = zmq.Context()
