@@ -126,8 +126,8 @@ class MemoryBudget:
         return (
             f"prompt ({prompt} tokens) + max_tokens ({max_new}) needs {format_size(need)} "
             f"for {what}, more than the {format_size(max(self.headroom, 0))} that "
-            f"--max-memory ({format_size(self.report.budget)}) leaves beside the weights "
-            f"and KV pool ({format_size(self.report.fixed)})"
+            f"--max-memory ({format_size(self.report.budget)}) leaves beside what the "
+            f"worker holds ({format_size(self.report.fixed)}: weights, KV pool, process)"
         )
 
     def longest_fitting(self, max_new: int = 1, limit: int = 1 << 24) -> int:
