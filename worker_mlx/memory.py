@@ -175,6 +175,9 @@ class StepGuard:
             held = runner.buffer.nbytes() if runner.buffer is not None else 0
             need = max(self.math.decode_bytes(lens) - held, 0)
         active = mx.get_active_memory()
+        if active + need > self.budget and runner.lookahead.bet is not None:
+            runner.lookahead.invalidate()  # a kept buffer, which the scheduler does not count
+            active = mx.get_active_memory()
         if active + need > self.budget:
             raise StepOutOfMemory(
                 f"out of memory computing this step: it needs {format_size(need)} beside "
