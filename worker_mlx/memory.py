@@ -61,8 +61,12 @@ def _dims(model) -> tuple[int, int, int]:
     fields = dict(vars(args)) if hasattr(args, "__dict__") else {}
     fields.update(fields.get("text_config") or {})
 
-    def first(*names, default=0):
-        return next((int(fields[n]) for n in names if fields.get(n)), default)
+    def first(*names, default=0):  # a per-layer list counts its widest layer
+        found = [fields[n] for n in names if fields.get(n)]
+        if not found:
+            return default
+        value = found[0]
+        return int(max(value) if isinstance(value, (list, tuple)) else value)
 
     hidden = first("hidden_size", "d_model", "dim", default=1024)
     heads = first("num_attention_heads", "n_heads", "n_head", default=hidden // 64)
