@@ -46,7 +46,8 @@ class ServerArgs:
     )
     max_memory: str | None = flag(
         None,
-        "most memory the worker process may use, as bytes or e.g. 12GiB, 800MB: weights, "
+        "most memory the worker process may use (split among --dp-size replicas and "
+        "ranks), as bytes or e.g. 12GiB, 800MB: weights, "
         "KV and state pools, the decode buffer and each step's temporaries all count, and "
         "requests are admitted, chunked or refused to stay under it (default: the device "
         "backend's safe share: on Metal the GPU's recommended working set, on the CPU "
