@@ -76,6 +76,13 @@ class MemoryBudget:
             B * r.row_bytes
         )
 
+    def whole_prompt_bytes(self, running: list[int], n: int) -> int:
+        """The prompt-logprobs pass (worker_mlx/prompt_logprobs.py): the whole prompt of
+        `n` tokens once more, in one pass without a cache, beside the running requests."""
+        r = self.report
+        whole = n * (n * r.score_bytes + r.kv_token_bytes + r.act_token_bytes) + r.row_bytes
+        return self.buffer_bytes(len(running), max(running, default=0)) + whole
+
     def step_bytes(self, running: list[int], extend: list[tuple[int, int]]) -> int:
         """An extend step beside running requests of `running` lengths."""
         longest = max(running, default=0)
@@ -113,16 +120,22 @@ class MemoryBudget:
         that cannot would only prefill it to retract it at the next decode step."""
         return self.decode_bytes(decoding + [seq_len + 1]) <= self.headroom
 
-    def never_fits(self, prompt: int, max_new: int) -> str | None:
+    def never_fits(self, prompt: int, max_new: int, whole_prompt: bool = False) -> str | None:
         """Why a request can never run under the budget, even alone, or None: the last
-        chunk of its prompt at the smallest size, or its last decode step."""
+        chunk of its prompt at the smallest size, its last decode step, or (`whole_prompt`:
+        it asks for the prompt's logprobs) the prompt's pass in one piece."""
         last = min(MIN_CHUNK, prompt)
-        prefill = self.extend_bytes([(prompt - last, last)])
-        decode = self.decode_bytes([prompt + max_new])
-        need = max(prefill, decode)
+        needs = {
+            "its prefill": self.extend_bytes([(prompt - last, last)]),
+            "its last decode step": self.decode_bytes([prompt + max_new]),
+        }
+        if whole_prompt:
+            needs["its prompt logprobs (the whole prompt in one pass)"] = self.whole_prompt_bytes(
+                [], prompt
+            )
+        what, need = max(needs.items(), key=lambda kv: kv[1])
         if need <= self.headroom:
             return None
-        what = "its prefill" if prefill >= decode else "its last decode step"
         return (
             f"prompt ({prompt} tokens) + max_tokens ({max_new}) needs {format_size(need)} "
             f"for {what}, more than the {format_size(max(self.headroom, 0))} that "

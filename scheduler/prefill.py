@@ -83,6 +83,9 @@ def build_prefill(
             chunk = memory.largest_chunk(running_lens, rows, before, min(new, token_budget))
             if req is not chunked and not memory.can_join(decoding, req.seq_len):
                 chunk = 0
+            if chunk >= new and req.sampling.prompt_logprobs:  # the prompt's pass after it
+                if memory.whole_prompt_bytes(running_lens, req.seq_len) > memory.headroom:
+                    chunk = 0
             if chunk == 0:
                 req.memory_blocked = req.memory_blocked or time.monotonic()
                 break

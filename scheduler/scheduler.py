@@ -105,7 +105,8 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) can never fit in the KV "
                 f"pool of {self.kv.capacity} tokens (--max-total-tokens)"
             )
-        why = self.memory.never_fits(n, max_new) if self.memory is not None else None
+        whole = msg.sampling.prompt_logprobs
+        why = self.memory.never_fits(n, max_new, whole) if self.memory is not None else None
         if why is not None:
             return "insufficient_memory", why
         return None

@@ -264,3 +264,22 @@ def test_out_of_memory_is_recognised_from_mlx_messages():
     assert is_out_of_memory(StepOutOfMemory("out of memory computing this step"))
     assert not is_out_of_memory(ValueError("slot 9 out of range"))
     assert not is_out_of_memory(RuntimeError("[matmul] shapes do not match"))
+
+
+def test_prompt_logprobs_count_the_whole_prompt_in_one_pass():
+    """The prompt's logprobs recompute the whole prompt without a cache, in one pass: its
+    scores grow with the square of the prompt, so a prompt that runs fine in chunks may
+    not be asked for them."""
+    m = budget(256 * MiB)
+    n = 5000
+    assert m.never_fits(n, 4) is None
+    why = m.never_fits(n, 4, whole_prompt=True)
+    assert why is not None and "prompt logprobs" in why
+    assert m.whole_prompt_bytes([], 2 * n) > 3 * m.whole_prompt_bytes([], n)  # quadratic
+    s = make_scheduler(256 * MiB)
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0, prompt_logprobs=True)
+    s.on_request(GenerateReq("echo", [5] * n, sampling))
+    err = errors(s)["echo"]
+    assert (err.status, err.code) == (400, "insufficient_memory") and "logprobs" in err.message
+    submit(s, "plain", n)  # the same prompt without them runs
+    assert isinstance(s.next_batch(), ExtendBatch)
