@@ -32,7 +32,7 @@ SLACK = 96 << 20  # address space beyond the budget: thread arenas, libraries' o
 def _start(model: str, log_path, max_memory: str, env: dict) -> ServerProcess:
     extra = [
         "--max-total-tokens", str(POOL), "--max-memory", max_memory,
-        "--memory-wait-timeout", "4", "--max-restarts", "3",
+        "--memory-wait-timeout", "1.5", "--max-restarts", "3",
     ]  # fmt: skip
     srv = ServerProcess(model, log_path, extra=extra)
     srv.env = dict(srv.env, RADIX_MLX_TEST_WORKER_ADDRESS_SPACE=str(SLACK), **env)
@@ -71,6 +71,24 @@ def _storm(srv: ServerProcess, lengths: list[int]) -> list[httpx.Response]:
         return [f.result() for f in futures]
 
 
+def _waits_then_503(srv: ServerProcess, fits: int) -> None:
+    """A prompt that fits alone but not beside a running one waits, then gets 503 with
+    Retry-After (--memory-wait-timeout); the running one finishes normally."""
+    n, out = 6 * fits // 10, min(1000, 3 * fits // 10)
+    body = {"prompt": _prompt(n, 1), "max_tokens": out, "temperature": 0, "ignore_eos": True}
+    with httpx.stream(
+        "POST", srv.url + "/v1/completions", json=dict(body, stream=True), timeout=300
+    ) as running:
+        lines = running.iter_lines()
+        assert any(line.startswith("data: {") for line in lines)  # it decodes now
+        second = _complete(srv, _prompt(n, 2), 4)
+        assert second.status_code == 503, second.text
+        assert second.headers.get("retry-after")
+        assert "--max-memory" in second.json()["error"]["message"]
+        rest = "\n".join(lines)
+    assert '"finish_reason":"length"' in rest.replace(" ", "") and "data: [DONE]" in rest
+
+
 @pytest.fixture(scope="module")
 def small_model(tiny_arch) -> str:
     return tiny_arch("qwen3", "small")
@@ -98,6 +116,8 @@ def test_long_prompts_under_a_cap_never_crash_and_the_server_serves_after(small_
                 assert r.headers.get("retry-after"), r.text
         assert srv.proc.poll() is None and srv.child("worker") == worker  # never restarted
         assert _restarts(srv) == 0
+        _waits_then_503(srv, fits)
+        assert srv.child("worker") == worker and _restarts(srv) == 0
         # still serving, token-exact with mlx-lm's own greedy generation
         prompt = _prompt(40, 99)
         r = _complete(srv, prompt, 12)
