@@ -162,7 +162,7 @@ def _titled(router_pid: int) -> dict[str, psutil.Process]:
         except psutil.Error:
             continue
         for role in PROCESSES:
-            if title == f"radix-mlx::{role}":
+            if title.split(" ", 1)[0] == f"radix-mlx::{role}":  # then its port and model
                 found[role] = proc
     return found
 

@@ -10,6 +10,11 @@ signal), and exits if it does not.
 
 A standby child (`router.standby`) is titled `radix-mlx::<name>-standby` until it is
 released, and exits meanwhile if its parent dies.
+
+Titles name the role first, then the server: its port and its model's short name
+(`radix-mlx::router :30000 Qwen3-0.6B`, `radix-mlx::worker-1 :30000 Qwen3-0.6B`), so `ps`
+tells the servers of one machine apart. The router or replica sets the server part once;
+its children are spawned with its environment, so they inherit it (TITLE_ENV).
 """
 
 from __future__ import annotations
@@ -29,8 +34,47 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_CHECK = 1.0  # seconds between a standby's checks that its parent still lives
 
 
-def set_title(name: str) -> None:
-    setproctitle(TITLE_PREFIX + name)
+TITLE_ENV = "RADIX_MLX_TITLE"  # the server part of every title, ":PORT MODEL"
+TRACKER_MAIN = "from multiprocessing.resource_tracker import main"  # its `python -c` code
+
+
+def server_title(port: int | str, model: str) -> str:
+    """`:30000 Qwen3-0.6B`: a server's port and its model's short name (a Hugging Face
+    id's or a directory's last part)."""
+    return f":{port} {model.rstrip('/').rsplit('/', 1)[-1]}"
+
+
+def set_title(name: str, server: str | None = None) -> None:
+    """Title this process `radix-mlx::<name> <server part>`; `server` (server_title) is
+    given once, by the router or replica, for its children to inherit."""
+    if server is not None:
+        os.environ[TITLE_ENV] = server
+    tail = os.environ.get(TITLE_ENV)
+    setproctitle(TITLE_PREFIX + name + (f" {tail}" if tail else ""))
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker titled `radix-mlx::resource-tracker`. The
+    first spawned child would start it anyway, as `python -c '<TRACKER_MAIN>(fd)'`, which
+    `ps` shows as nobody's; started here, its code sets its title first (the tracker
+    takes no arguments of ours, so its command is the one place to put it)."""
+    from multiprocessing import resource_tracker, util
+
+    title = TITLE_PREFIX + "resource-tracker"
+    if os.environ.get(TITLE_ENV):
+        title += " " + os.environ[TITLE_ENV]
+    code = f"from setproctitle import setproctitle; setproctitle({title!r}); "
+    spawnv = util.spawnv_passfds
+
+    def titled(path, args, passfds):
+        args = [code + a if str(a).startswith(TRACKER_MAIN) else a for a in args]
+        return spawnv(path, args, passfds)
+
+    util.spawnv_passfds = titled
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        util.spawnv_passfds = spawnv
 
 
 def setup_child(name: str, router_stopping=None, release=None) -> None:

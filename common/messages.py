@@ -52,48 +52,44 @@ class SamplingParams:
             self.logit_bias = {str(k): v for k, v in self.logit_bias.items()}
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first parameter out of range."""
+        """Raise InvalidParam naming the first parameter out of range."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):  # fmt: skip
+            value = getattr(self, name)
+            if not _finite(value):  # NaN compares false with every bound: say what it is
+                raise InvalidParam(name, f"must be a finite number, not {value}")
         checks = [
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (_finite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
-            (_finite(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= -1, "top_k must be >= 1, or 0 or -1 for off"),
-            (_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (
-                _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "repetition_penalty must be > 0",
-            ),
-            (
-                _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-                "frequency_penalty must be in [-2, 2]",
-            ),
-            (
-                _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-                "presence_penalty must be in [-2, 2]",
-            ),
-            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+            (self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be >= 1, or 0 or -1 for off"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
         ]
-        for ok, message in checks:
+        for ok, name, rule in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidParam(name, rule)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+            raise InvalidParam("stop_token_ids", f"must be in [0, {vocab_size})")
         self.bias_by_token(vocab_size)
         if self.grammar_kind not in GRAMMAR_KINDS or bool(self.grammar_kind) != bool(self.grammar):
-            raise ValueError(f"grammar_kind must be one of {GRAMMAR_KINDS[1:]} with a grammar")
+            raise InvalidParam("grammar_kind", f"must be one of {GRAMMAR_KINDS[1:]} with a grammar")
 
     def bias_by_token(self, vocab_size: int | None = None) -> dict[int, float]:
-        """`logit_bias` with int token ids; ValueError naming the first bad entry."""
+        """`logit_bias` with int token ids; InvalidParam naming the first bad entry."""
         if not isinstance(self.logit_bias, dict):
-            raise ValueError("logit_bias must map token ids to biases")
+            raise InvalidParam("logit_bias", "must map token ids to biases")
         out = {}
         for key, bias in self.logit_bias.items():
             if not key.isdecimal() or (vocab_size is not None and int(key) >= vocab_size):
                 vocab = f"[0, {vocab_size})" if vocab_size is not None else "the vocabulary"
-                raise ValueError(f"logit_bias keys must be token ids in {vocab}, got {key!r}")
+                raise InvalidParam("logit_bias", f"keys must be token ids in {vocab}, got {key!r}")
             if type(bias) not in (int, float) or not (_finite(bias) and -100 <= bias <= 100):
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+                raise InvalidParam("logit_bias", f"values must be in [-100, 100], got {bias!r}")
             out[int(key)] = float(bias)
         return out
 
@@ -112,6 +108,15 @@ class SamplingParams:
 
 def _finite(x: float) -> bool:
     return math.isfinite(x)
+
+
+class InvalidParam(ValueError):
+    """A sampling parameter out of range: `field` (SamplingParams' name, which an API may
+    call otherwise: OpenAI's max_tokens is max_new_tokens) and the rule it breaks."""
+
+    def __init__(self, field: str, rule: str):
+        super().__init__(f"{field} {rule}")
+        self.field, self.rule = field, rule
 
 
 # ---------------------------------------------------------------- router <-> scheduler

@@ -3,7 +3,9 @@
 Each `ServerArgs` field is declared once, with its default, help text and choices; the
 `radix-mlx serve` parser is derived from the fields: flag `--max-total-tokens` for field
 `max_total_tokens`, argparse type from the annotation (bool: a switch, list[str]: any
-number of values, `X | None`: X). A field with metadata `cli=False` is no flag.
+number of values, `X | None`: X). A field with metadata `cli=False` is no flag. Each
+field also names the subcommands that take it (`commands`: both `serve` and `replica` by
+default), so each subcommand shows and accepts only its own flags.
 """
 
 from __future__ import annotations
@@ -15,15 +17,25 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from common.addresses import MAX_PORT, check_port, tcp_address
 from common.sizes import parse_size
 
 REQUIRED: Any = dataclasses.MISSING
+COMMANDS = ("serve", "replica")  # the subcommands whose flags ServerArgs holds
+SERVE = ("serve",)  # the router's: HTTP, the SDK front door, replicas and routing
+REPLICA = ("replica",)  # a remote replica's: where it listens, whom it admits
 
 
-def flag(default: Any, help: str, choices: list[str] | None = None, **argparse_kwargs: Any):
-    """A ServerArgs field: its default (REQUIRED: none), help text, choices and any other
-    argparse keywords (metavar, ...) for its flag."""
-    metadata = {"help": help, "choices": choices, "argparse": argparse_kwargs}
+def flag(
+    default: Any,
+    help: str,
+    choices: list[str] | None = None,
+    commands: tuple[str, ...] = COMMANDS,
+    **argparse_kwargs: Any,
+):
+    """A ServerArgs field: its default (REQUIRED: none), help text, choices, the
+    subcommands that take it, and any other argparse keywords (metavar, ...) for its flag."""
+    metadata = {"help": help, "choices": choices, "commands": commands, "argparse": argparse_kwargs}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -32,8 +44,8 @@ def flag(default: Any, help: str, choices: list[str] | None = None, **argparse_k
 @dataclass
 class ServerArgs:
     model_path: str = flag(REQUIRED, "local mlx-lm model directory or Hugging Face id")
-    host: str = flag("127.0.0.1", "HTTP bind address")
-    port: int = flag(30000, "HTTP port")
+    host: str = flag("127.0.0.1", "HTTP bind address", commands=SERVE)
+    port: int = flag(30000, "HTTP port", commands=SERVE)
     max_total_tokens: int | None = flag(
         None,
         "KV pool size in tokens (default: auto, what --max-memory leaves beside the weights "
@@ -46,8 +58,8 @@ class ServerArgs:
     )
     max_memory: str | None = flag(
         None,
-        "most memory the worker process may use (split among --dp-size replicas and "
-        "ranks), as bytes or e.g. 12GiB, 800MB: weights, "
+        "most memory the worker process may use (split among the replicas and ranks on "
+        "this machine), as bytes or e.g. 12GiB, 800MB: weights, "
         "KV and state pools, the decode buffer and each step's temporaries all count, and "
         "requests are admitted, chunked or refused to stay under it (default: the device "
         "backend's safe share: on Metal the GPU's recommended working set, on the CPU "
@@ -66,7 +78,9 @@ class ServerArgs:
         choices=["auto", "bf16", "fp16", "int8", "int4"],
     )
     max_running_requests: int = flag(64, "decode batch limit")
-    max_queued_requests: int = flag(4096, "requests in flight beyond which new ones get 503")
+    max_queued_requests: int = flag(
+        4096, "requests in flight beyond which new ones get 503", commands=SERVE
+    )
     chunked_prefill_size: int = flag(2048, "most prompt tokens computed in one prefill step")
     prefill_step_size: int | None = flag(
         None,
@@ -109,24 +123,34 @@ class ServerArgs:
     )
     decode_log_interval: int = flag(40, "log decode throughput every this many decode steps")
     log_level: str = flag("info", "log level", choices=["debug", "info", "warning", "error"])
-    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on the HTTP API")
+    api_key: str | None = flag(
+        None, "require 'Authorization: Bearer KEY' on the HTTP API", commands=SERVE
+    )
     # browsers may call the API from these origins ("*": any, as vLLM, SGLang and mlx-lm)
     allowed_origins: list[str] = flag(
         ["*"],
         "origins whose web pages may call the HTTP API (CORS); give none to turn CORS off",
         metavar="ORIGIN",
+        commands=SERVE,
     )
-    max_request_bytes: int = flag(16 * 1024 * 1024, "largest HTTP request body accepted")
+    max_request_bytes: int = flag(
+        16 * 1024 * 1024, "largest HTTP request body accepted", commands=SERVE
+    )
     zmq_port: int | None = flag(
-        None, "TCP port of the SDK front door on --host (default: HTTP port + 1)"
+        None,
+        "TCP port of the SDK front door on --host (default: HTTP port + 1)",
+        commands=SERVE,
     )
     transport: str = flag(
         "ipc",
         "how the router, scheduler and worker talk (ipc sockets or tcp on loopback)",
         choices=["ipc", "tcp"],
+        commands=SERVE,
     )
     served_model_name: str | None = flag(
-        None, "the model id the API reports and accepts (default: the model path)"
+        None,
+        "the model id the API reports and accepts (default: the model path)",
+        commands=SERVE,
     )
     watchdog_timeout: float = flag(
         300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
@@ -138,25 +162,36 @@ class ServerArgs:
         5, "restarts of a dead or hung worker/scheduler allowed within 10 minutes, then exit 1"
     )
     dp_size: int = flag(
-        1, "data-parallel replicas: scheduler+worker pairs, each with its share of the pool budget"
+        1,
+        "data-parallel replicas: scheduler+worker pairs, each with its share of the pool budget",
+        commands=SERVE,
     )
     routing_policy: str = flag(
         "cache_aware",
         "which replica a request goes to: longest cached prefix while load is balanced, "
         "the next in turn, or the fewest in flight",
         choices=["cache_aware", "round_robin", "least_load"],
+        commands=SERVE,
     )
     cache_threshold: float = flag(
-        0.5, "cache_aware: share of a prompt a replica must hold cached to get it"
+        0.5,
+        "cache_aware: share of a prompt a replica must hold cached to get it",
+        commands=SERVE,
     )
     balance_abs_threshold: int = flag(
-        32, "cache_aware: load is imbalanced when replicas differ by more requests than this"
+        32,
+        "cache_aware: load is imbalanced when replicas differ by more requests than this",
+        commands=SERVE,
     )
     balance_rel_threshold: float = flag(
-        1.0001, "cache_aware: ... and the busiest has more than this times the idlest's"
+        1.0001,
+        "cache_aware: ... and the busiest has more than this times the idlest's",
+        commands=SERVE,
     )
     restart_wait_timeout: float = flag(
-        30.0, "seconds a request sent during a restart waits for it, then gets 503 Retry-After"
+        30.0,
+        "seconds a request sent during a restart waits for it, then gets 503 Retry-After",
+        commands=SERVE,
     )
     debug_invariants: bool = flag(False, "check KV bookkeeping every step")
     speculative_algorithm: str = flag(
@@ -182,13 +217,15 @@ class ServerArgs:
     )
     replica: list[str] | None = flag(
         None,
-        "serve: attach the remote replica `radix-mlx replica` listens at (repeatable)",
+        "attach the remote replica `radix-mlx replica` listens at (repeatable)",
         metavar="tcp://HOST:PORT",
         action="extend",
+        commands=SERVE,
     )
     listen: str = flag(
         "tcp://127.0.0.1:31000",
-        "replica: where it waits for routers (a non-loopback address needs CURVE keys)",
+        "where it waits for routers (a non-loopback address needs CURVE keys)",
+        commands=REPLICA,
     )
     curve_secret_key: str | None = flag(
         None,
@@ -196,10 +233,14 @@ class ServerArgs:
         "from `radix-mlx keys`): encrypt and authenticate the router-replica links",
     )
     curve_server_key: str | None = flag(
-        None, "serve: the replicas' CURVE public key file (replica.key)"
+        None,
+        "the replicas' CURVE public key file (replica.key)",
+        commands=SERVE,
     )
     curve_authorized_keys: str | None = flag(
-        None, "replica: directory of the routers' CURVE public keys (*.key) it admits"
+        None,
+        "directory of the routers' CURVE public keys (*.key) it admits",
+        commands=REPLICA,
     )
 
     def validate(self) -> None:
@@ -208,6 +249,7 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{flag_name(f)} must be one of {', '.join(choices)}")
+        self._validate_ports()
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("--max-total-tokens must be >= 2")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
@@ -247,9 +289,6 @@ class ServerArgs:
             raise ValueError("--cache-threshold must be in [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("--balance-abs-threshold must be >= 0, --balance-rel-threshold >= 1")
-        for address in self.replica or []:
-            if not address.startswith("tcp://"):
-                raise ValueError(f"--replica {address}: expected tcp://HOST:PORT")
         if self.replica and bool(self.curve_secret_key) != bool(self.curve_server_key):
             raise ValueError("--curve-secret-key and --curve-server-key go together")
         if self.restart_wait_timeout < 0:
@@ -268,6 +307,28 @@ class ServerArgs:
             )
         if self.group_size > 1 and self.dp_size > 1:
             raise ValueError("--dp-size above 1 with --tp-size/--pp-size is not supported")
+
+    def _validate_ports(self) -> None:
+        """Every port a flag names is 1..65535 (a larger one would be taken modulo 65536
+        by the bind, and the log would name a port nothing listens on)."""
+        check_port(self.port, "--port")
+        if self.zmq_port is None:
+            if self.port == MAX_PORT:
+                raise ValueError(
+                    f"--port {MAX_PORT} leaves no port + 1 for the SDK: give --zmq-port"
+                )
+        else:
+            check_port(self.zmq_port, "--zmq-port")
+            if self.zmq_port == self.port:
+                raise ValueError(f"--zmq-port {self.zmq_port} is --port's too: give another")
+        if self.dist_port is not None:
+            check_port(self.dist_port, "--dist-port")
+            check_port(
+                self.dist_port + self.group_size - 1, f"--dist-port (rank {self.group_size - 1})"
+            )
+        tcp_address(self.listen, "--listen")
+        for address in self.replica or []:
+            tcp_address(address, "--replica")
 
     @property
     def max_memory_bytes(self) -> int | None:
@@ -288,9 +349,13 @@ def flag_name(f: dataclasses.Field) -> str:
     return "--" + f.name.replace("_", "-")
 
 
-def cli_fields() -> list[dataclasses.Field]:
-    """The ServerArgs fields that are `radix-mlx serve` flags."""
-    return [f for f in dataclasses.fields(ServerArgs) if f.metadata.get("cli", True)]
+def cli_fields(command: str | None = None) -> list[dataclasses.Field]:
+    """The ServerArgs fields that are flags: of `command` (serve, replica), or of any."""
+    return [
+        f
+        for f in dataclasses.fields(ServerArgs)
+        if f.metadata.get("cli", True) and (command is None or command in f.metadata["commands"])
+    ]
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -329,9 +394,10 @@ def _argparse_kwargs(f: dataclasses.Field, annotation: Any) -> dict[str, Any]:
     return kw
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
+def add_command_args(parser: argparse.ArgumentParser, command: str) -> None:
+    """`command`'s flags (serve, replica): only its own, so another's is an error."""
     hints = typing.get_type_hints(ServerArgs)
-    for f in cli_fields():
+    for f in cli_fields(command):
         parser.add_argument(flag_name(f), **_argparse_kwargs(f, hints[f.name]))
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from router.manager import RequestError
+from router.request_body import RequestBody
 from router.thinking_signature import ThinkingSigner
 
 # HTTP status -> Anthropic's error type
@@ -30,10 +31,8 @@ def anthropic_error_body(message: str, status: int) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(RequestBody):
     """The prompt of a Messages request: what count_tokens counts."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     messages: list[dict[str, Any]] = Field(..., min_length=1)
@@ -98,6 +97,8 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
+    SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
+
     max_tokens: StrictInt
     stop_sequences: list[str] | None = None
     temperature: StrictFloat | None = None

@@ -25,6 +25,7 @@ from router.responses import _aclose_shielded, first_chunk, whole
 from router.thinking_signature import ThinkingSigner
 
 _STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
+ANTHROPIC_MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1], OpenAI's [0, 2]
 
 
 class AnthropicRoutes:
@@ -61,6 +62,11 @@ class AnthropicRoutes:
             grammar_kind=kind,
             grammar=source,
         )
+        if sampling.temperature > ANTHROPIC_MAX_TEMPERATURE:  # NaN: SamplingParams says so
+            raise RequestError(
+                f"temperature: range: 0 <= temperature <= {ANTHROPIC_MAX_TEMPERATURE:g}",
+                param="temperature",
+            )
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         chunks = self.routes._start(req, ids, sampling, rid)
         message = _Message(rid, self.routes.model_name, prompt, req.stop_strings(), self.routes)

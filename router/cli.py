@@ -4,19 +4,47 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from common.server_args import add_serve_args, args_from_namespace
+from common.server_args import add_command_args, args_from_namespace
+
+DESCRIPTION = """\
+radix-mlx serves LLMs with Apple MLX (Metal on Apple Silicon, or the CPU on Linux): an
+OpenAI- and Anthropic-compatible HTTP API and a ZeroMQ SDK in front of a scheduler whose
+radix-tree prefix cache lets a request skip recomputing any prompt prefix seen before,
+and an MLX worker that runs the batches. `serve` runs it all on this machine; `replica`
+runs a scheduler and worker that `serve --replica` routes to from another machine."""
+
+
+def package_version() -> str:
+    try:
+        return version("radix-mlx")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radix-mlx", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve_parser = sub.add_parser("serve", help="start the router, scheduler and MLX worker")
-    add_serve_args(serve_parser)
-    replica_parser = sub.add_parser(
-        "replica", help="start a scheduler and MLX worker that wait for routers on --listen"
+    parser = argparse.ArgumentParser(
+        prog="radix-mlx",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_serve_args(replica_parser)
+    parser.add_argument("--version", action="version", version=f"radix-mlx {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser(
+        "serve",
+        help="start the router (HTTP and SDK), scheduler and MLX worker",
+        description="Serve a model on this machine: the router (HTTP API on --port, SDK "
+        "front door on --zmq-port), and a scheduler and MLX worker per replica.",
+    )
+    add_command_args(serve_parser, "serve")
+    replica_parser = sub.add_parser(
+        "replica",
+        help="start a scheduler and MLX worker that wait for routers on --listen",
+        description="Run a replica for routers on other machines (`radix-mlx serve "
+        "--replica tcp://HOST:PORT`): a scheduler and MLX worker behind --listen.",
+    )
+    add_command_args(replica_parser, "replica")
     keys_parser = sub.add_parser("keys", help="write CURVE key pairs for routers and replicas")
     keys_parser.add_argument("--out", required=True, help="directory to write the keys to")
     return parser

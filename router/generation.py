@@ -10,10 +10,13 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from common.messages import Output, SamplingParams
+from common.messages import InvalidParam, Output, SamplingParams
 from router.chat_format import ChatFormat, template_messages
 from router.detokenizer import IncrementalDetokenizer
 from router.manager import RequestError, RouterManager
+
+# OpenAI's chat roles ("function": its deprecated tool role); any other is a client's bug
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class Tokenization:
@@ -50,7 +53,9 @@ class Tokenization:
         except Exception as exc:  # jinja raises many kinds
             raise RequestError(f"cannot render the chat template: {exc}") from None
 
-    def check_ids(self, input_ids: list[int], sampling: SamplingParams) -> None:
+    def check_ids(self, input_ids: list[int], sampling: SamplingParams, invalid=None) -> None:
+        """`invalid(InvalidParam)`: the RequestError for a sampling parameter out of range,
+        in the request's own words (default: SamplingParams' names, the SDK's)."""
         vocab = len(self.tokenizer)
         if not input_ids:
             raise RequestError("the prompt is empty")
@@ -58,9 +63,11 @@ class Tokenization:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         try:
             sampling.validate(vocab)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-        limit = self.manager.context_len
+        except InvalidParam as exc:
+            if invalid is not None:
+                raise invalid(exc) from None
+            raise RequestError(str(exc), param=exc.field) from None
+        limit = self.manager.max_model_len
         if limit and len(input_ids) + sampling.max_new_tokens > limit:
             raise RequestError(
                 f"This model's maximum context length is {limit} tokens. However, you "
@@ -77,7 +84,15 @@ def text_messages(messages: list) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'")
+            raise RequestError(
+                f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]"
+            )
+        if message["role"] not in CHAT_ROLES:
+            raise RequestError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"not {message['role']!r}",
+                param=f"messages[{i}].role",
+            )
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(
@@ -86,7 +101,10 @@ def text_messages(messages: list) -> list[dict]:
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
+            raise RequestError(
+                f"messages[{i}].content must be a string or a list of text parts",
+                param=f"messages[{i}].content",
+            )
         out.append({**message, "content": content})
     return out
 
@@ -94,9 +112,11 @@ def text_messages(messages: list) -> list[dict]:
 def _text_part(part: Any, where: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     if kind != "text":
-        raise RequestError(f"{where}: only text content parts are supported, not {kind!r}")
+        raise RequestError(
+            f"{where}: only text content parts are supported, not {kind!r}", param=where
+        )
     if not isinstance(part.get("text"), str):
-        raise RequestError(f"{where}: a text part needs a string 'text'")
+        raise RequestError(f"{where}: a text part needs a string 'text'", param=where)
     return part["text"]
 
 

@@ -39,6 +39,7 @@ from router.openai_api import (
     prompt_only,
     with_prompt,
 )
+from router.request_body import field_path
 from router.responses import Choice, collect, stream
 
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
@@ -79,19 +80,20 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     return app
 
 
-def _error(path: str, message: str, code: str, status: int, headers=None) -> JSONResponse:
+def _error(path: str, message: str, code: str, status: int, headers=None, param=None):
     """The API's error body: Anthropic's on its paths, OpenAI's elsewhere."""
     if path.startswith(_ANTHROPIC):
         return JSONResponse(anthropic_error_body(message, status), status, headers=headers)
-    return JSONResponse(error_body(message, code, status), status, headers=headers)
+    return JSONResponse(error_body(message, code, status, param), status, headers=headers)
 
 
 async def _request_error(request: Request, exc: RequestError):
-    return _error(request.url.path, exc.message, exc.code, exc.status, exc.headers)
+    return _error(request.url.path, exc.message, exc.code, exc.status, exc.headers, exc.param)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError):
-    return _error(request.url.path, _describe(exc), "invalid_request_error", 400)
+    message, param = _describe(exc)
+    return _error(request.url.path, message, "invalid_request_error", 400, param=param)
 
 
 async def _http_error(request: Request, exc: HTTPException):
@@ -122,7 +124,7 @@ class _Routes:
             "object": "model",
             "created": 0,
             "owned_by": "radix-mlx",
-            "max_model_len": self.manager.context_len,
+            "max_model_len": self.manager.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -146,6 +148,7 @@ class _Routes:
                 f"model {req.model!r} does not exist; serving {self.model_name!r}",
                 "model_not_found",
                 404,
+                param="model",
             )
 
     async def tokenize(self, req: TokenizeRequest):
@@ -156,18 +159,18 @@ class _Routes:
             ids = self.tok.encode_chat(req.messages)
         else:
             ids = self.tok.encode_text(req.prompt)
-        return {"count": len(ids), "max_model_len": self.manager.context_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": self.manager.max_model_len, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req)
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in req.tokens):
-            raise RequestError(f"token ids must be in [0, {vocab})")
+            raise RequestError(f"tokens: token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
         """The request's chunks of generated text."""
-        self.tok.check_ids(ids, sampling)
+        self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
         return track_finish(chunks, self.metrics, rid)
@@ -189,7 +192,8 @@ class _Routes:
         total = n * len(prompts)
         if not 1 <= total <= MAX_CHOICES:
             raise RequestError(
-                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {total}"
+                f"a request makes 1 to {MAX_CHOICES} choices (prompts x n), not {total}",
+                param="n",
             )
         choices = []
         for index in range(total):
@@ -209,7 +213,9 @@ class _Routes:
         grammar = output_grammar(req.response_format, req.regex, req.ebnf)
         max_new = req.max_tokens if req.max_tokens is not None else 16
         if max_new == 0 and not req.echo:
-            raise RequestError("max_tokens 0 needs echo: true (then the prompt is the answer)")
+            raise RequestError(
+                "max_tokens 0 needs echo: true (then the prompt is the answer)", param="max_tokens"
+            )
         # at least one token is always generated; with max_tokens 0 it is not returned
         sampling = req.sampling(1 if max_new == 0 else max_new, grammar)
         sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
@@ -251,7 +257,7 @@ class _Routes:
             max_new,
         )  # fmt: skip
         if max_new is None:  # as much as fits in the context and in the KV pool
-            room = min(self.manager.context_len, self.manager.ready.num_slots) - len(ids)
+            room = self.manager.max_model_len - len(ids)
             max_new = max(1, room)
         sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -330,14 +336,16 @@ async def _respond(req, request: Request, choices: list[Choice]):
     return await stream(request, choices, include_usage)
 
 
-def _describe(exc: RequestValidationError) -> str:
-    parts = []
+def _describe(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param: the first field at fault, as the request spells it)."""
+    parts, params = [], []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        loc = field_path([x for x in err.get("loc", ()) if x != "body"])
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error") or err.get("msg")
-            return f"malformed JSON body: {detail}"
+            return f"malformed JSON body: {detail}", None
         if not loc and err.get("type") == "missing":
-            return "the request has no body; send a JSON object"
+            return "the request has no body; send a JSON object", None
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(parts[:5])
+        params.append(loc or None)
+    return "invalid request: " + "; ".join(parts[:5]), params[0] if params else None

@@ -9,6 +9,10 @@ replica sizes its pool from its share of the memory budget and the others start 
 is ready, with a pool of the same size (so do restarts). SIGTERM or SIGINT drains: new
 requests get 503, in-flight ones get up to --graceful-shutdown-timeout seconds; a second
 signal stops at once. Either way the children are stopped and the runtime directory removed.
+
+Exit status: 1 with one line for a flag value or a model that cannot work, 2 for an
+address it cannot listen on (both found before the model loads: `resolve_args`), 1 when
+the children crash-loop (--max-restarts), 0 after SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import uvicorn
 import uvloop
 import zmq.asyncio
 
-from common.child_process import set_title
+from common.child_process import server_title, set_title, start_resource_tracker
 from common.ipc import Endpoints
 from common.log import setup_logging
 from common.messages import ModelIdentity
@@ -38,7 +42,7 @@ from router.frontdoor import FrontDoor
 from router.http_server import create_app
 from router.manager import RouterManager
 from router.metrics import Metrics
-from router.model_files import load_tokenizer, resolve_args
+from router.model_files import Refused, load_tokenizer, resolve_args
 from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
@@ -51,20 +55,23 @@ HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being wri
 
 
 def serve(args: ServerArgs) -> int:
-    set_title("router")
-    setup_logging("router", args.log_level)
     if args.served_model_name is None:
         args = dataclasses.replace(args, served_model_name=args.model_path)
-    child_args = resolve_args(args, logger)
-    if child_args is None:
-        return 1
-    model_dir = child_args.model_path
+    set_title("router", server_title(args.port, args.model_name))
+    setup_logging("router", args.log_level)
     rank = launched_rank() if args.dist_hostfile else None
+    try:  # a rank of a group under mlx.launch listens on nothing of `serve`'s
+        child_args = resolve_args(args, None if rank else "serve")
+    except Refused as exc:
+        logger.error("%s", exc)
+        return exc.status
+    model_dir = child_args.model_path
     if rank:  # a machine of a group under mlx.launch that runs its rank only
         from worker_mlx.worker import run_worker
 
         run_worker(child_args, None, spec=launched_spec(child_args, rank))
         return 0
+    start_resource_tracker()
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)
@@ -188,7 +195,12 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: C
             return 1
         manager.serving()
         zmq_port = args.zmq_port or args.port + 1
-        frontdoor = FrontDoor(f"tcp://{args.host}:{zmq_port}", manager, tokenizer, args.api_key)
+        try:
+            address = f"tcp://{args.host}:{zmq_port}"
+            frontdoor = FrontDoor(address, manager, tokenizer, args.api_key)
+        except zmq.ZMQError as exc:  # taken while the model loaded (it was free before)
+            logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
+            return 2
         door = asyncio.create_task(frontdoor.serve())
         shutdown = Shutdown(manager, anchor, args.graceful_shutdown_timeout)
         server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics),

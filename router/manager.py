@@ -49,7 +49,8 @@ RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while restarting
 
 
 class RequestError(Exception):
-    """A request the system refused; carries the OpenAI error fields (and HTTP headers)."""
+    """A request the system refused; carries the OpenAI error fields (`param`: the
+    request's field at fault, as the client named it) and HTTP headers."""
 
     def __init__(
         self,
@@ -57,10 +58,11 @@ class RequestError(Exception):
         code: str = "invalid_request_error",
         status: int = 400,
         headers: dict[str, str] | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
         self.message, self.code, self.status = message, code, status
-        self.headers = headers
+        self.headers, self.param = headers, param
 
 
 def unavailable(message: str, retry_after: float | None = None) -> RequestError:
@@ -118,9 +120,12 @@ class RouterManager:
         return self.replicas.first_ready()
 
     @property
-    def context_len(self) -> int:
-        ready = self.ready
-        return ready.context_len if ready else 0
+    def max_model_len(self) -> int:
+        """The most tokens (prompt + completion) one request can have on every ready
+        replica: the model's context, or the KV pool when it is smaller (a scheduler
+        refuses what its pool can never hold: kv_pool_too_small). 0 while none is ready."""
+        limits = [min(r.ready.context_len, r.ready.num_slots) for r in self.replicas if r.ready]
+        return min(limits, default=0)
 
     def add_replica(self, replica: Replica) -> None:
         """Start reading a replica's frames (before `receive_loop` runs or after)."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from pathlib import Path
 
+from common.addresses import unavailable_address
 from common.server_args import ServerArgs
 from worker_mlx.distributed_plan import check_model_dir
 
@@ -37,19 +37,34 @@ def resolve_model_path(path_or_id: str) -> str:
         ) from None
 
 
-def resolve_args(args: ServerArgs, logger: logging.Logger) -> ServerArgs | None:
+class Refused(Exception):
+    """Flags a command cannot start with: the one line why, and the exit status (1: a
+    value or model that cannot work, 2: an address it cannot listen on)."""
+
+    def __init__(self, line: str, status: int):
+        super().__init__(line)
+        self.status = status
+
+
+def resolve_args(args: ServerArgs, command: str | None) -> ServerArgs:
     """What `serve` and `replica` pass their children: `args` validated, with the model
-    path resolved to a local directory. None, after logging the one line why, if the
-    flags are invalid or the model cannot be found."""
+    path resolved to a local directory. Before the model is looked for (it may be
+    downloaded), every address `command` listens on must be free (None: this process
+    listens on none, a rank of a group under mlx.launch). Refused if not."""
     try:
         args.validate()
+    except ValueError as exc:
+        raise Refused(str(exc), 1) from None
+    problem = unavailable_address(args, command) if command else None
+    if problem:
+        raise Refused(problem, 2)
+    try:
         model_dir = resolve_model_path(args.model_path)
         if args.group_size > 1:  # what cannot be split is refused before a rank starts
             check_model_dir(model_dir, args.tp_size, args.pp_size)
-        return dataclasses.replace(args, model_path=model_dir)
     except (ValueError, ModelNotFound) as exc:
-        logger.error("%s", exc)
-        return None
+        raise Refused(str(exc), 1) from None
+    return dataclasses.replace(args, model_path=model_dir)
 
 
 def load_tokenizer(model_dir: str):

@@ -7,21 +7,22 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
 
 from common.byte_level import byte_level_alphabet, is_byte_level
 from common.messages import Output, SamplingParams
+from router.request_body import RequestBody
 
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool | None = False
 
 
-class _Common(BaseModel):
+class _Common(RequestBody):
     """Fields shared by both endpoints. Types are strict (no "0.5" for a number, no 1 for
     a bool) and `null` means the default, as in OpenAI's API."""
 
-    model_config = ConfigDict(extra="allow")
+    SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}
 
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -90,6 +91,8 @@ def _or(value, default):
 
 
 class CompletionRequest(_Common):
+    SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(...)
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None  # how many alternatives; 0 = only the sampled token
@@ -107,6 +110,11 @@ class ChatCompletionRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def param_name(self, sampling_field: str) -> str:
+        if sampling_field == "max_new_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().param_name(sampling_field)
+
     def unsupported(self) -> str | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs needs logprobs set to true"
@@ -116,20 +124,16 @@ class ChatCompletionRequest(_Common):
         return bool(self.logprobs), self.top_logprobs or 0
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     """vLLM's /tokenize: a prompt, tokenized as /v1/completions does, or chat messages
     rendered with the chat template as /v1/chat/completions does."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -143,9 +147,9 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
     }
 
 
-def error_body(message: str, code: str, status: int) -> dict:
+def error_body(message: str, code: str, status: int, param: str | None = None) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
 # ---------------------------------------------------------------- logprobs

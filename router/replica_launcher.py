@@ -21,13 +21,13 @@ import time
 import uvloop
 import zmq
 
-from common.child_process import set_title
+from common.child_process import server_title, set_title, start_resource_tracker
 from common.ipc import Endpoints
 from common.log import setup_logging
 from common.model_identity import describe, model_identity
 from common.server_args import ServerArgs
 from router.metrics import Metrics
-from router.model_files import resolve_args
+from router.model_files import Refused, resolve_args
 from router.replica_server import ReplicaServer, replica_args_problem
 from router.supervisor import Children, Supervisor
 
@@ -37,15 +37,18 @@ DRAIN_POLL = 0.05  # seconds between checks for the last request in flight durin
 
 
 def run_replica(args: ServerArgs) -> int:
-    set_title("replica")
     setup_logging("replica", args.log_level)
     problem = replica_args_problem(args)
     if problem:
         logger.error("%s", problem)
         return 2
-    child_args = resolve_args(args, logger)
-    if child_args is None:
-        return 1
+    set_title("replica", server_title(args.listen.rpartition(":")[2], args.model_path))
+    try:
+        child_args = resolve_args(args, "replica")
+    except Refused as exc:
+        logger.error("%s", exc)
+        return exc.status
+    start_resource_tracker()
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)

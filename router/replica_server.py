@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from common import curve
+from common.addresses import tcp_address
 from common.ipc import Endpoints
 from common.messages import (
     REPLICA_CONTROL,
@@ -269,10 +270,10 @@ def _nowait(sent: asyncio.Future) -> None:
 
 def replica_args_problem(args: ServerArgs) -> str | None:
     """The one line a replica exits 2 with, for flags that cannot work together."""
-    if not args.listen.startswith("tcp://"):
-        return f"--listen {args.listen}: expected tcp://HOST:PORT"
-    if args.replica:
-        return "--replica is a flag of `radix-mlx serve`, not of a replica"
+    try:
+        tcp_address(args.listen, "--listen")
+    except ValueError as exc:
+        return str(exc)
     keyed = bool(args.curve_secret_key), bool(args.curve_authorized_keys)
     if keyed[0] != keyed[1]:
         return "--curve-secret-key and --curve-authorized-keys go together"

@@ -121,7 +121,7 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
                 body["usage"] = _usage(choices, [acc.output() for acc in accs])
                 yield _event(body)
         except RequestError as exc:
-            yield _event(error_body(exc.message, exc.code, exc.status))
+            yield _event(error_body(exc.message, exc.code, exc.status, exc.param))
         finally:
             await _aclose_shielded(merged)  # its readers stop before their streams close
             for c in choices:

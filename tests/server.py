@@ -31,6 +31,11 @@ def exited(pids: list[int], timeout: float = 10) -> bool:
         time.sleep(0.05)
 
 
+def title_role(cmdline: bytes) -> str:
+    """`radix-mlx::worker` of a /proc/PID/cmdline titled `radix-mlx::worker :30000 M`."""
+    return cmdline.split(b"\0", 1)[0].decode(errors="replace").split(" ", 1)[0]
+
+
 class ServerProcess(_Process):
     def __init__(self, model: str, log_path: Path, extra: list[str] | None = None):
         self.port, self.zmq_port = free_ports(2)
@@ -52,7 +57,8 @@ class ServerProcess(_Process):
         return [int(p) for p in out.stdout.split()]
 
     def child(self, name: str, timeout: float = 5) -> int:
-        """The pid of the child whose process title is radix-mlx::<name>."""
+        """The pid of the child whose process title is radix-mlx::<name> (the role: the
+        title goes on with the server's port and model)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for pid in self.children():
@@ -60,7 +66,7 @@ class ServerProcess(_Process):
                     cmd = open(f"/proc/{pid}/cmdline", "rb").read()
                 except FileNotFoundError:
                     continue  # exited meanwhile
-                if cmd.rstrip(b"\0") == f"radix-mlx::{name}".encode():
+                if title_role(cmd) == f"radix-mlx::{name}":
                     return pid
             time.sleep(0.05)
         raise AssertionError(f"no radix-mlx::{name} child of {self.proc.pid}")

@@ -65,7 +65,7 @@ def test_small_pool_evicts_retracts_and_matches_mlx_lm(tiny_model, tmp_path):
 
 SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 0, "min_p": 0.02, "frequency_penalty": 0.5}
 BAD = [
-    ({"max_tokens": -3}, "max_new_tokens must be >= 1"),
+    ({"max_tokens": -3}, "max_tokens must be >= 1"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_k": -2}, "top_k must be"),
     ({"max_tokens": 10**6}, "maximum context length"),

@@ -285,7 +285,7 @@ def test_errors_surface_as_openai_exceptions(server, oai):
         ),
         (openai.BadRequestError, "temperature must be >= 0", dict(temperature=-1)),
         (openai.BadRequestError, "top_p must be in (0, 1]", dict(top_p=1.5)),
-        (openai.BadRequestError, "maximum context length is 32768", dict(max_tokens=40000)),
+        (openai.BadRequestError, "maximum context length is 8192", dict(max_tokens=40000)),
     ]
     for exc, needle, kwargs in cases:
         with pytest.raises(exc) as info:
@@ -326,7 +326,7 @@ def test_malformed_bodies_get_openai_errors(server):
         (comp, {"prompt": ""}, 400, "the prompt is empty"),
         (comp, {"prompt": [1, -2]}, 400, "prompt token ids must be in [0, 512)"),
         (comp, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 needs echo"),
-        (comp, {"prompt": "hi", "max_tokens": -1}, 400, "max_new_tokens must be >= 1"),
+        (comp, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens must be >= 1"),
         (comp, {"prompt": "hi", "temperature": -0.5}, 400, "temperature must be >= 0"),
         (comp, {"prompt": "hi", "top_p": 0}, 400, "top_p must be in (0, 1]"),
         (comp, {"prompt": "hi", "top_k": -2}, 400, "top_k must be >= 1, or 0 or -1 for off"),
@@ -337,9 +337,9 @@ def test_malformed_bodies_get_openai_errors(server):
         (comp, {"prompt": "hi", "seed": -1}, 400, "seed must be in"),
         (comp, {"prompt": "hi", "stop_token_ids": [600]}, 400, "stop_token_ids must be in"),
         (comp, {"prompt": "hi", "max_tokens": 40000}, 400, "maximum context length"),
-        # refused by the scheduler (larger than the 8192-token KV pool), streaming or not
-        (comp, {"prompt": "hi", "max_tokens": 9000}, 400, "can never fit in the KV pool"),
-        (comp, {"prompt": "hi", "max_tokens": 9000, "stream": True}, 400, "never fit"),
+        # larger than the 8192-token KV pool: the limit /v1/models reports, streaming or not
+        (comp, {"prompt": "hi", "max_tokens": 9000}, 400, "maximum context length is 8192"),
+        (comp, {"prompt": "hi", "max_tokens": 9000, "stream": True}, 400, "is 8192 tokens"),
         (comp, {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
         (comp, {"prompt": "hi", "n": 0}, 400, "1 to 64 choices (prompts x n), not 0"),
         (chat, {"messages": []}, 400, "messages"),
@@ -350,7 +350,7 @@ def test_malformed_bodies_get_openai_errors(server):
         (chat, {"messages": hi, "n": -1}, 400, "choices (prompts x n)"),
         (chat, {"messages": hi, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
         (chat, {"messages": hi, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-        (comp, {"prompt": "hi", "logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
+        (comp, {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         (chat, {"messages": hi, "model": "other"}, 404, "does not exist"),
         (comp, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias keys must be token"),
         (comp, {"prompt": "hi", "logit_bias": {"512": 1}}, 400, "token ids in [0, 512)"),
@@ -677,7 +677,7 @@ def test_tokenize_and_detokenize_as_the_endpoints_do(server, tokenizer):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         r = http.post("/tokenize", json={"prompt": text}).json()
         ids = tokenizer.encode(text, add_special_tokens=False)
-        assert r == {"count": len(ids), "max_model_len": 32768, "tokens": ids}
+        assert r == {"count": len(ids), "max_model_len": 8192, "tokens": ids}  # the pool
         chat = http.post("/tokenize", json={"messages": messages}).json()
         assert chat["tokens"] == _chat_ids(tokenizer, messages)
         completion = {"prompt": text, "max_tokens": 1}
@@ -702,7 +702,7 @@ def test_health_and_models(server):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list"
     (card,) = models["data"]
-    assert card["id"] == server.model and card["max_model_len"] == 32768
+    assert card["id"] == server.model and card["max_model_len"] == 8192  # the pool, not 32768
     t0 = time.monotonic()
     for _ in range(20):
         assert httpx.get(server.url + "/health").status_code == 200

@@ -53,8 +53,8 @@ class HybridHarness(Harness):
 @functools.cache
 def padding_works(path: str) -> bool:
     from tests.conftest import load_model
-    from worker_mlx.loader import batched_path_works
     from worker_mlx.model_probe import probe_layout
+    from worker_mlx.self_check import batched_path_works
 
     model, _ = load_model(path)
     kv, states = probe_layout(model)

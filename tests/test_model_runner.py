@@ -104,6 +104,8 @@ class Harness:
         self.slots: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.out: dict[str, list[int]] = {}
+        # per request and sampled token, its top logprobs, where the sampling asked for them
+        self.top: dict[str, list[list]] = {}
         self.running: list[str] = []
         self.step = 0
 
@@ -136,10 +138,15 @@ class Harness:
         assert res.rids == [r.rid for r in reqs if r.last_chunk]
         assert len(res.next_token_ids) == len(res.rids)
         self._gone(release)
+        self._record_top(res)
         for rid, tok in zip(res.rids, res.next_token_ids):
             assert 0 <= tok < self.vocab
             self.out[rid].append(tok)
             self.running.append(rid)
+
+    def _record_top(self, res) -> None:
+        for rid, top in zip(res.rids, res.top_logprobs or []):
+            self.top.setdefault(rid, []).append(top)
 
     def decode(self, rids: list[str] | None = None, release: list[ReleaseReq] = ()) -> None:
         gone = {r.rid for r in release}
@@ -149,6 +156,7 @@ class Harness:
         res = self.runner.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
         assert res.rids == rids
         self._gone(release)
+        self._record_top(res)
         for rid, loc, tok in zip(rids, locs, res.next_token_ids):
             assert 0 <= tok < self.vocab
             self.slots[rid].append(loc)

@@ -9,9 +9,9 @@ import pytest
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
 from tests.conftest import load_model, mlx_greedy
 from worker_mlx.kv_pool import MlxKVPool
-from worker_mlx.loader import batched_path_works
 from worker_mlx.model_probe import probe_kv_layout
 from worker_mlx.model_runner import ModelRunner
+from worker_mlx.self_check import batched_path_works
 
 PROMPTS = [[5, 17, 99, 230, 41, 8], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]]
 

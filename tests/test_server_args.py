@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from common.server_args import (
+    COMMANDS,
     ServerArgs,
-    add_serve_args,
+    add_command_args,
     args_from_namespace,
     cli_fields,
     flag_name,
@@ -89,21 +90,25 @@ def compare(rows: dict[str, str], defaults: dict[str, object]) -> list[str]:
     return problems
 
 
-def serve_parser() -> argparse.ArgumentParser:
+def serve_parser(command: str = "serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    add_serve_args(parser)
+    add_command_args(parser, command)
     return parser
+
+
+def every_flag() -> dict[str, object]:
+    """The flags of `serve` and of `replica` (the README's table lists both)."""
+    return {k: v for c in COMMANDS for k, v in parser_defaults(serve_parser(c)).items()}
 
 
 def test_readme_table_matches_parser():
     rows = readme_table(README.read_text())
-    assert compare(rows, parser_defaults(serve_parser())) == []
+    assert compare(rows, every_flag()) == []
 
 
 def test_compare_catches_a_flag_missing_from_the_readme():
-    parser = serve_parser()
-    parser.add_argument("--new-flag", type=int, default=1)
-    problems = compare(readme_table(README.read_text()), parser_defaults(parser))
+    flags = every_flag() | {"--new-flag": 1}
+    problems = compare(readme_table(README.read_text()), flags)
     assert problems == ["--new-flag: in the parser, not in the README"]
 
 
@@ -174,17 +179,18 @@ def test_a_row_of_two_flags_is_an_error():
         readme_table(two)
 
 
-def test_serve_help_lists_every_field(capsys):
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_shows_its_own_flags_only(command, capsys):
     from router.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--help"])
+        main([command, "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    fields = cli_fields()
-    assert [f.name for f in fields] == [f.name for f in dataclasses.fields(ServerArgs)]
-    for f in fields:
-        assert re.search(rf"\s{re.escape(flag_name(f))}\b", out), f"{flag_name(f)} not in --help"
+    assert {f.name for f in cli_fields()} == {f.name for f in dataclasses.fields(ServerArgs)}
+    for f in cli_fields():
+        shown = re.search(rf"^\s+{re.escape(flag_name(f))}\b", out, re.M) is not None
+        assert shown is (command in f.metadata["commands"]), f"{command} --help: {flag_name(f)}"
 
 
 def test_parser_defaults_are_the_dataclass_defaults():

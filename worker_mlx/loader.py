@@ -7,7 +7,7 @@ import logging
 
 import mlx.core as mx
 
-from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams, WorkerReady
+from common.messages import WorkerReady
 from common.server_args import ServerArgs
 from worker_mlx import memory
 from worker_mlx.backends import select
@@ -20,6 +20,7 @@ from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
 from worker_mlx.model_probe import UnsupportedModel, probe_layout
 from worker_mlx.model_runner import ModelRunner
+from worker_mlx.self_check import batched_path_works, choose_batching
 from worker_mlx.state_pool import StateLayout, StatePool, state_slots
 
 logger = logging.getLogger("worker")
@@ -55,7 +56,7 @@ def load_runner(
     pool, states = _make_pools(args, backend, layout, state_layout, share, draft, rank)
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
-    batched, pad = _batching(model, layout, vocab_size, compiled, step, state_layout, stage)
+    batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
@@ -230,73 +231,6 @@ def describe_layers(layout: KVLayout) -> str:
     if layout.recurrent:
         out += f" + {len(layout.recurrent)} recurrent"
     return out
-
-
-def _batching(model, layout, vocab_size, compiled, step, state_layout, stage) -> tuple[bool, bool]:
-    """(batched, pad_prefill): the fastest way of running requests together that the
-    self-check finds exact."""
-    check = dict(prefill_step=step, state_layout=state_layout, pipeline_stage=stage)
-    if batched_path_works(model, layout, vocab_size, compiled, **check):
-        return True, True
-    if batched_path_works(model, layout, vocab_size, compiled, pad_prefill=False, **check):
-        logger.info(
-            "prefill rows of different lengths run in separate passes: this model's "
-            "recurrent layers cannot take right-padded rows (decode stays batched)"
-        )
-        return True, False
-    logger.warning(
-        "this model's attention cannot run batched with per-row offsets: every request "
-        "runs as its own batch (correct, but slower)"
-    )
-    return False, True
-
-
-def batched_path_works(
-    model, layout, vocab_size: int, compile_decode: bool = False, prefill_step: int = 256,
-    state_layout: StateLayout | None = None, pad_prefill: bool = True,
-    pipeline_stage: bool = False,
-) -> bool:  # fmt: skip
-    """Run two requests batched and one by one; the batched path must agree to be used.
-    (It also traces and JIT-builds the compiled decode step before the first request.)
-    The prompts share a prefill pass, one right-padded by 18 tokens."""
-    params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=4)
-    prompts = [[(7 * i + 3) % vocab_size for i in range(n)] for n in (39, 21)]
-    outputs = []
-    for batched in (True, False):
-        states = StatePool(state_layout, 2) if state_layout is not None else None
-        runner = ModelRunner(
-            model, MlxKVPool(layout, 64), vocab_size, batched=batched,
-            prefill_step=prefill_step, compile_decode=compile_decode, states=states,
-            pad_prefill=pad_prefill,
-        )  # fmt: skip
-        runner.pipeline_stage = pipeline_stage
-        slots = iter(range(1, 65))
-        reqs = [
-            ExtendReq(
-                f"r{i}",
-                p,
-                [],
-                [next(slots) for _ in p],
-                params,
-                state_slot=i + 1 if states is not None else 0,
-            )  # fmt: skip
-            for i, p in enumerate(prompts)
-        ]
-        try:
-            steps = [runner.extend(ExtendBatch(0, reqs))]
-            for step in range(1, 3):
-                locs = [next(slots) for _ in reqs]
-                steps.append(runner.decode(DecodeBatch(step, ["r0", "r1"], locs)))
-        except Exception as exc:
-            logger.info("batched self-check raised: %s", exc)
-            return False
-        outputs.append(steps)
-    for b, s in zip(*outputs):
-        if b.next_token_ids != s.next_token_ids:
-            return False
-        if any(abs(x - y) > 1e-3 for x, y in zip(b.logprobs, s.logprobs)):
-            return False
-    return True
 
 
 def _vocab_size(model, config: dict) -> int:
