@@ -78,6 +78,7 @@ class ReqError:
     message: str
     code: str = "invalid_request_error"
     status: int = 400
+    retry_after: float = 0.0  # seconds for the HTTP Retry-After header (0: none)
 
 
 @dataclass
@@ -222,6 +223,22 @@ class StepResult:
 
 
 @dataclass
+class MemoryReport:
+    """What the worker's memory holds and what its steps add (worker_mlx/memory.py), for
+    the scheduler's admission (scheduler/memory_budget.py). Bytes, except `prefill_step`."""
+
+    budget: int  # --max-memory (or the backend's default) for this worker process
+    fixed: int  # held for the process's life: weights, KV pool, state pool (measured)
+    kv_token_bytes: int  # one token's K/V over all layers as attention reads it (decoded)
+    score_bytes: int  # per (query, key) pair of one layer: its scores and mask
+    act_token_bytes: int  # per prefill token: hidden states and MLP activations
+    row_bytes: int  # per sampled row: logits and the sampler's temporaries
+    prefill_step: int  # tokens per forward pass and row (--prefill-step-size)
+    cache: int = 0  # of `fixed`: freed buffers mlx's cache may keep for reuse
+    process: int = 0  # of `fixed`: the process before the model (interpreter, libraries)
+
+
+@dataclass
 class WorkerReady:
     num_slots: int
     model_type: str
@@ -237,12 +254,16 @@ class WorkerReady:
     num_state_slots: int = 0
     # whether decode steps may carry drafts (no sliding windows, no recurrent layers)
     verifies_drafts: bool = False
+    # None: admission counts KV slots only (a scripted worker, an older worker)
+    memory: MemoryReport | None = None
 
 
 @dataclass
 class WorkerError:
     step: int
     message: str
+    # the step ran out of memory (or would have): its requests get a 503, the worker goes on
+    out_of_memory: bool = False
 
 
 # ---------------------------------------------------------------- router <-> remote replica

@@ -161,7 +161,10 @@ class RouterManager:
             for out in msg.outputs:
                 self._deliver(replica, out.rid, out)
         elif isinstance(msg, ReqError):
-            self._deliver(replica, msg.rid, RequestError(msg.message, msg.code, msg.status))
+            headers = {"Retry-After": str(math.ceil(msg.retry_after))} if msg.retry_after else None
+            self._deliver(
+                replica, msg.rid, RequestError(msg.message, msg.code, msg.status, headers)
+            )
         elif isinstance(msg, SchedulerStats):
             replica.stats = msg
             if self.metrics:
