@@ -134,6 +134,12 @@ class ServerArgs:
         "the model id the API reports and accepts (default: the model path)",
         commands=SERVE,
     )
+    strict_max_tokens: bool = flag(
+        False,
+        "refuse (400) a max_tokens beyond what the context leaves after the prompt, "
+        "rather than cut it to fit",
+        commands=SERVE,
+    )
     watchdog_timeout: float = flag(
         300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
     )

@@ -106,7 +106,7 @@ class _Routes:
 
     def __init__(self, manager: RouterManager, tokenizer, args, metrics):
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
-        self.tok = Tokenization(tokenizer, manager)
+        self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
         self.pieces = TokenPieces(tokenizer)
         self.model_name = args.model_name
 
@@ -170,7 +170,7 @@ class _Routes:
 
     def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
         """The request's chunks of generated text."""
-        self.tok.check_ids(ids, sampling, req.invalid)
+        sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
         return track_finish(chunks, self.metrics, rid)
@@ -253,12 +253,10 @@ class _Routes:
         if max_new is None:
             max_new = req.max_tokens
         ids, prompt, grammar = plan_chat(
-            self.tok, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs, grammar,
+            self.tok, req.messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
             max_new,
         )  # fmt: skip
-        if max_new is None:  # as much as fits in the context and in the KV pool
-            room = self.manager.max_model_len - len(ids)
-            max_new = max(1, room)
+        max_new = self.tok.fit(len(ids), max_new)  # None: as much as the context leaves
         sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
