@@ -27,6 +27,7 @@ from router.constraints import output_grammar
 from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
 from router.metrics import track_finish
+from router.model_names import ModelNames
 from router.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,6 +70,7 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     routes = _Routes(manager, tokenizer, args, metrics)
     app.get("/health")(routes.health)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)
     app.get("/metrics")(routes.metrics_text)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
@@ -108,7 +110,8 @@ class _Routes:
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
         self.pieces = TokenPieces(tokenizer)
-        self.model_name = args.model_name
+        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
+        self.model_name = self.names.reported
 
     async def health(self):
         """200 while a replica serves; the body says why not, and lists every replica."""
@@ -118,15 +121,24 @@ class _Routes:
         reason = self.manager.unhealthy_reason or "starting"
         return JSONResponse({"status": reason, "replicas": replicas}, status_code=503)
 
-    async def models(self):
-        card = {
-            "id": self.model_name,
+    def _card(self, model_id: str) -> dict:
+        return {
+            "id": model_id,
             "object": "model",
             "created": 0,
             "owned_by": "radix-mlx",
             "max_model_len": self.manager.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    async def models(self):
+        return {"object": "list", "data": [self._card(name) for name in self.names.served]}
+
+    async def model(self, model_id: str):
+        """A served name's card; an alias's is the same model's under the asked-for id."""
+        if not model_id:
+            raise RequestError("a model id is needed", "model_not_found", 404, param="model")
+        self.names.check(model_id)
+        return self._card(model_id)
 
     async def metrics_text(self):
         if self.metrics is None:
@@ -143,13 +155,7 @@ class _Routes:
 
     def _check_model(self, req) -> None:
         self.manager.check_ready()
-        if req.model not in (None, "", self.model_name, self.args.model_path):
-            raise RequestError(
-                f"model {req.model!r} does not exist; serving {self.model_name!r}",
-                "model_not_found",
-                404,
-                param="model",
-            )
+        self.names.check(req.model)
 
     async def tokenize(self, req: TokenizeRequest):
         self._check_model(req)

@@ -55,8 +55,6 @@ HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being wri
 
 
 def serve(args: ServerArgs) -> int:
-    if args.served_model_name is None:
-        args = dataclasses.replace(args, served_model_name=args.model_path)
     set_title("router", server_title(args.port, args.model_name))
     setup_logging("router", args.log_level)
     rank = launched_rank() if args.dist_hostfile else None

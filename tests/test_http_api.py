@@ -10,6 +10,7 @@ import json
 import random
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -709,7 +710,10 @@ def test_health_and_models(server):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list"
     (card,) = models["data"]
-    assert card["id"] == server.model and card["max_model_len"] == 8192  # the pool, not 32768
+    # the default served name is the model directory's name, not its path
+    assert card["id"] == Path(server.model).name and card["max_model_len"] == 8192  # the pool
+    by_path = {"model": server.model, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=by_path).json()["model"] == card["id"]
     t0 = time.monotonic()
     for _ in range(20):
         assert httpx.get(server.url + "/health").status_code == 200
