@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from common.messages import Output
+from router.access_log import AccessLog, count_usage
 from router.anthropic_api import anthropic_error_body
 from router.anthropic_messages import AnthropicRoutes
 from router.chat_response import chat_renderer, plan_chat
@@ -64,11 +65,13 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
             CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
+    app.add_middleware(AccessLog)  # outermost: it sees every answer, the guard's and CORS's
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     routes = _Routes(manager, tokenizer, args, metrics)
-    app.get("/health")(routes.health)
+    app.api_route("/", methods=["GET", "HEAD"])(routes.root)
+    app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
     app.get("/v1/models")(routes.models)
     app.get("/v1/models/{model_id:path}")(routes.model)
     app.get("/metrics")(routes.metrics_text)
@@ -120,6 +123,10 @@ class _Routes:
             return JSONResponse({"status": "ok", "replicas": replicas})
         reason = self.manager.unhealthy_reason or "starting"
         return JSONResponse({"status": reason, "replicas": replicas}, status_code=503)
+
+    async def root(self):
+        """Some clients probe the base URL (`HEAD /`) before they send anything."""
+        return {"status": "ok" if self.manager.healthy else "starting"}
 
     def _card(self, model_id: str) -> dict:
         return {
@@ -179,7 +186,7 @@ class _Routes:
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
-        return track_finish(chunks, self.metrics, rid)
+        return count_usage(track_finish(chunks, self.metrics, rid))
 
     def _prompts(self, prompt) -> list[list[int]]:
         """The prompt, or each prompt of a batch, as token ids."""
