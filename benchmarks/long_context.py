@@ -13,6 +13,10 @@ storage it prints the prefill time, the decode step, MLX's peak memory during ea
 phase (`mx.get_peak_memory`, reset before it) next to the pool's size and the largest
 attention score matrix a pass can build (one pass's tokens x the context x query heads x
 4 bytes), and the process's peak RSS.
+
+With --prompt-lens N ... it measures the --max-memory admission instead: the server's
+scheduler and the worker's runner in one process, each prompt length's peak against the
+admission's prediction (benchmarks/memory_prediction.py; --max-memory as the server's).
 """
 
 from __future__ import annotations
@@ -114,6 +118,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from common.tiny_model import ensure_tiny_model
 
     path = args.model_path or str(ensure_tiny_model(preset=args.preset))
+    if args.prompt_lens:
+        from benchmarks import memory_prediction
+
+        return memory_prediction.main(args, path, BLAS)
     backend = select(cpu_kernels=True)
     model, _ = load(path)
     layout = probe_kv_layout(model)
@@ -160,6 +168,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["auto", "bf16", "fp16", "int8", "int4"],
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompt-lens", type=int, nargs="*", default=None,
+        help="measure the --max-memory admission at these prompt lengths instead",
+    )  # fmt: skip
+    p.add_argument("--max-memory", default=None, help="with --prompt-lens: as the server flag")
     p.add_argument("--result-file", default="bench_results/long_context.jsonl")
     return p.parse_args(argv)
 

@@ -4,9 +4,10 @@ The router stops its children with STOP_SIGNAL. SIGINT (a terminal's Ctrl-C reac
 whole process group) is the router's to handle. A SIGTERM may be an operator's `kill` of
 this one process, which should stop it (the router then restarts it), or one sent to the
 whole group by systemd or a container runtime, which the router answers by draining:
-its children must keep serving until it stops them. So after a SIGTERM a child waits up
-to GROUP_SIGNAL_GRACE for the router to say it is stopping (at once, if it got the same
-signal), and exits if it does not.
+its children must keep serving until it stops them. So after a SIGTERM a child gives the
+router GROUP_SIGNAL_GRACE to say it is stopping (a `StopFlag`), and exits if it did not.
+The handlers only read the flag and set a timer: they take no lock, so no signal, and no
+other process dying at any moment, can leave them waiting.
 
 A standby child (`router.standby`) is titled `radix-mlx::<name>-standby` until it is
 released, and exits meanwhile if its parent dies.
@@ -32,6 +33,22 @@ STOP_SIGNAL = signal.SIGUSR1
 GROUP_SIGNAL_GRACE = 2.0  # seconds for the router to mark itself stopping (a loaded machine)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PARENT_CHECK = 1.0  # seconds between a standby's checks that its parent still lives
+
+
+class StopFlag:
+    """Set by the router when it starts to stop, read by its children's signal handlers.
+    A byte of shared memory rather than a multiprocessing Event, whose lock a handler
+    could wait on forever (held by the code the signal interrupted, or by a process
+    killed while holding it). Pass it to a child when it is spawned."""
+
+    def __init__(self, mp):
+        self._byte = mp.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._byte.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._byte.value)
 
 
 TITLE_ENV = "RADIX_MLX_TITLE"  # the server part of every title, ":PORT MODEL"
@@ -77,8 +94,8 @@ def start_resource_tracker() -> None:
         util.spawnv_passfds = spawnv
 
 
-def setup_child(name: str, router_stopping=None, release=None) -> None:
-    """`router_stopping`: a multiprocessing Event the router sets when it starts to stop;
+def setup_child(name: str, router_stopping: StopFlag | None = None, release=None) -> None:
+    """`router_stopping`: the StopFlag the router sets when it starts to stop;
     `release`: for a standby, the Event that `wait_for_release` waits on. The title is
     the process's name when the router gave it one that extends `name` (`worker-r1`: a
     replica's worker), with `-standby` until a standby is released."""
@@ -89,10 +106,17 @@ def setup_child(name: str, router_stopping=None, release=None) -> None:
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
 
     def on_sigterm(*_) -> None:
-        if router_stopping is None or not router_stopping.wait(GROUP_SIGNAL_GRACE):
+        if router_stopping is None:
+            sys.exit(0)
+        if not router_stopping.is_set():  # decide when the grace is over
+            signal.setitimer(signal.ITIMER_REAL, GROUP_SIGNAL_GRACE)
+
+    def on_grace_over(*_) -> None:
+        if not router_stopping.is_set():  # an operator's kill of this process alone
             sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGALRM, on_grace_over)
     # a standby is spawned with these blocked (router.standby); its handlers are in place
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.addresses import MAX_PORT, check_port, tcp_address
+from common.sizes import parse_size
 
 REQUIRED: Any = dataclasses.MISSING
 COMMANDS = ("serve", "replica")  # the subcommands whose flags ServerArgs holds
@@ -47,12 +48,29 @@ class ServerArgs:
     host: str = flag("127.0.0.1", "HTTP bind address", commands=SERVE)
     port: int = flag(30000, "HTTP port", commands=SERVE)
     max_total_tokens: int | None = flag(
-        None, "KV pool size in tokens (default: auto, free memory x --mem-fraction-static)"
+        None,
+        "KV pool size in tokens (default: auto, what --max-memory leaves beside the weights "
+        "and a prefill pass x --mem-fraction-static)",
     )
     mem_fraction_static: float | None = flag(
         None,
-        "share of free memory the auto-sized KV pool may take "
+        "share of what --max-memory leaves beside the weights the auto-sized KV pool may take "
         "(default: the device backend's, 0.8 on a GPU (Metal, CUDA), 0.5 on the CPU)",
+    )
+    max_memory: str | None = flag(
+        None,
+        "most memory the worker process may use (split among the replicas and ranks on "
+        "this machine), as bytes or e.g. 12GiB, 800MB: weights, "
+        "KV and state pools, the decode buffer and each step's temporaries all count, and "
+        "requests are admitted, chunked or refused to stay under it (default: the device "
+        "backend's safe share: on Metal the GPU's recommended working set, on the CPU "
+        "MemAvailable at start less 10% (at least 512 MiB), on CUDA the free memory)",
+        metavar="SIZE",
+    )
+    memory_wait_timeout: float = flag(
+        30.0,
+        "seconds a request that fits --max-memory alone, but not beside the running ones, "
+        "may wait in the queue before it gets 503 with Retry-After",
     )
     kv_cache_dtype: str = flag(
         "auto",
@@ -253,6 +271,15 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 2")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.max_memory is not None:
+            try:
+                size = parse_size(self.max_memory)
+            except ValueError as exc:
+                raise ValueError(f"--max-memory: {exc}") from None
+            if size < 1 << 20:
+                raise ValueError(f"--max-memory {self.max_memory}: at least 1MiB")
+        if self.memory_wait_timeout < 0:
+            raise ValueError("--memory-wait-timeout must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
@@ -321,6 +348,11 @@ class ServerArgs:
         tcp_address(self.listen, "--listen")
         for address in self.replica or []:
             tcp_address(address, "--replica")
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        """--max-memory in bytes (None: the backend's default)."""
+        return None if self.max_memory is None else parse_size(self.max_memory)
 
     @property
     def group_size(self) -> int:

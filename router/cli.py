@@ -6,6 +6,7 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from common.log import quiet_libraries
 from common.server_args import add_command_args, args_from_namespace
 
 DESCRIPTION = """\
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_libraries()
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
         from router.launcher import serve

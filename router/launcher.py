@@ -18,12 +18,12 @@ the children crash-loop (--max-restarts), 0 after SIGTERM or SIGINT.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 
@@ -31,7 +31,7 @@ import uvicorn
 import uvloop
 import zmq.asyncio
 
-from common.child_process import server_title, set_title, start_resource_tracker
+from common.child_process import StopFlag, server_title, set_title, start_resource_tracker
 from common.ipc import Endpoints
 from common.log import setup_logging
 from common.messages import ModelIdentity
@@ -46,12 +46,21 @@ from router.model_files import Refused, load_tokenizer, resolve_args
 from router.remote_replica import attach_remote_replicas
 from router.replicas import Replica, ReplicaLink, ReplicaSet
 from router.routing import make_policy
-from router.supervisor import Children, Supervision, Supervisor
+from router.stop_signals import hold_stop_signals, on_loop
+from router.supervisor import STOP_TIMEOUT, Children, Supervision, Supervisor
 from router.worker_group import launched_rank, launched_spec
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
 HTTP_SHUTDOWN_TIMEOUT = 5  # seconds uvicorn waits for responses still being written
+
+
+def stop_bound(args: ServerArgs) -> float:
+    """The longest `serve` or `replica` takes to exit after SIGTERM: the drain, uvicorn's
+    close, then the children asked to stop and, after STOP_TIMEOUT, killed. A service
+    manager must wait longer than this before its SIGKILL (deploy/: TimeoutStopSec,
+    ExitTimeOut)."""
+    return args.graceful_shutdown_timeout + HTTP_SHUTDOWN_TIMEOUT + 2 * STOP_TIMEOUT
 
 
 def serve(args: ServerArgs) -> int:
@@ -69,28 +78,24 @@ def serve(args: ServerArgs) -> int:
 
         run_worker(child_args, None, spec=launched_spec(child_args, rank))
         return 0
+    # the tracker first: multiprocessing unblocks SIGINT and SIGTERM once it has started it
     start_resource_tracker()
+    hold_stop_signals()  # until the loop takes them (router.stop_signals)
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)
     children = _replica_children(child_args, runtime_dir)
     for replica in children if _start_together(args) else children[:1]:
         replica.start()
-    # what holds the `stopping` event every child shares (no processes with --dp-size 0)
-    anchor = children[0] if children else Children(child_args, None)
-
-    def stop_now(*_):  # before HTTP serves (the model loads): nothing to drain yet
-        anchor.stopping.set()
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, stop_now)
-    signal.signal(signal.SIGINT, stop_now)
+    # the StopFlag every child shares (none with --dp-size 0: no children to tell)
+    stopping = children[0].stopping if children else None
     try:
-        return uvloop.run(_main(args, tokenizer, children, anchor, model_identity(model_dir)))
+        return uvloop.run(_main(args, tokenizer, children, stopping, model_identity(model_dir)))
     finally:
         for replica in children:
             replica.stop()
         shutil.rmtree(runtime_dir, ignore_errors=True)
+        logger.info("stopped")
 
 
 def _replica_children(args: ServerArgs, runtime_dir: str) -> list[Children]:
@@ -114,48 +119,53 @@ def _start_together(args: ServerArgs) -> bool:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, whose SIGINT/SIGTERM handling is ours (`Shutdown.on_signal`)."""
+    """uvicorn, leaving SIGINT and SIGTERM to us (`Shutdown`, on the loop): its own
+    handlers run in signal context and re-raise what they caught once it stops."""
 
-    def __init__(self, config: uvicorn.Config, on_signal):
-        super().__init__(config)
-        self.on_signal = on_signal
-
-    def handle_exit(self, sig: int, frame) -> None:
-        self.on_signal(sig)
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
 class Shutdown:
-    """The first signal drains, the second stops at once. `children`: any replica's (they
-    share the `stopping` event)."""
+    """The first signal drains, the second stops at once; before serving (the model
+    loads) there is nothing to drain and the first stops. Runs on the event loop
+    (`router.stop_signals.on_loop`), never in a signal handler."""
 
-    def __init__(self, manager: RouterManager, children: Children, timeout: float):
-        self.manager, self.children, self.timeout = manager, children, timeout
-        self.loop = asyncio.get_running_loop()
-        self.server: uvicorn.Server | None = None
+    def __init__(self, manager: RouterManager, stopping: StopFlag | None, timeout: float):
+        self.manager, self.stopping, self.timeout = manager, stopping, timeout
+        self.server: uvicorn.Server | None = None  # set once serving
         self.signals = 0
+        self.requested = asyncio.Event()  # a signal came before serving
         self.drain: asyncio.Task | None = None
 
     def on_signal(self, sig: int) -> None:
         self.signals += 1
-        self.children.stopping.set()
-        self.loop.call_soon_threadsafe(self._act, signal.Signals(sig).name)
-
-    def _act(self, name: str) -> None:
-        if self.signals == 1:
+        if self.stopping is not None:
+            self.stopping.set()  # the children keep serving through a group SIGTERM
+        name = signal.Signals(sig).name
+        if self.server is None:
+            if not self.requested.is_set():
+                logger.info("%s: stopping (not serving yet)", name)
+            self.requested.set()
+        elif self.signals == 1:
             logger.info(
                 "%s: draining %d request(s) for up to %g s (--graceful-shutdown-timeout); "
                 "signal again to stop now", name, len(self.manager.pending), self.timeout,
             )  # fmt: skip
             self.manager.draining()
             self.drain = asyncio.create_task(self._drain())
-        else:
+        elif not self.server.force_exit:
             logger.info("%s: stopping now", name)
+            if self.drain is not None:
+                self.drain.cancel()
             self.manager.stopped("stopped")
             self.manager.fail_all("the server stopped")
             self.server.should_exit = self.server.force_exit = True
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline = started + self.timeout
         while self.manager.pending and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL)
         if self.manager.pending:
@@ -164,12 +174,14 @@ class Shutdown:
                 f"the server stopped before the request finished "
                 f"(--graceful-shutdown-timeout {self.timeout:g} s)"
             )
+        else:
+            logger.info("drained in %.2f s", time.monotonic() - started)
         self.manager.stopped("stopped")
         self.server.should_exit = True
 
 
-async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: Children,
-                identity: ModelIdentity) -> int:  # fmt: skip
+async def _main(args: ServerArgs, tokenizer, children: list[Children],
+                stopping: StopFlag | None, identity: ModelIdentity) -> int:  # fmt: skip
     metrics = Metrics()
     ctx = zmq.asyncio.Context()
     replicas = ReplicaSet([
@@ -184,10 +196,14 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: C
     supervisor = Supervision([
         Supervisor(c, r, manager, metrics, args.max_restarts) for c, r in zip(children, replicas)
     ])  # fmt: skip
+    shutdown = Shutdown(manager, stopping, args.graceful_shutdown_timeout)
+    on_loop(asyncio.get_running_loop(), shutdown.on_signal)
     attach_remote_replicas(manager, args, identity, ctx)  # after the local ones: r{dp_size}...
     receiver = asyncio.create_task(manager.receive_loop())
     try:
-        failure = await _start_up(args, children, supervisor)
+        failure = await _unless(shutdown.requested, _start_up(args, children, supervisor))
+        if shutdown.requested.is_set():
+            return 0
         if failure is not None:
             logger.error("start-up failed: %s", failure[1])
             return 1
@@ -200,9 +216,7 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: C
             logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
             return 2
         door = asyncio.create_task(frontdoor.serve())
-        shutdown = Shutdown(manager, anchor, args.graceful_shutdown_timeout)
-        server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics),
-                                           shutdown.on_signal)  # fmt: skip
+        server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics))
         watcher = asyncio.create_task(_supervise(supervisor, server))
         logger.info(
             "serving HTTP on http://%s:%d and the SDK on %s",
@@ -216,8 +230,20 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children], anchor: C
         door.cancel()
         return 1 if gave_up or not server.started else 0
     finally:
+        hold_stop_signals()  # the clean-up after the loop is bounded: let nothing cut it
         receiver.cancel()
         manager.close()
+
+
+async def _unless(event: asyncio.Event, work):
+    """`work`'s result, or None as soon as `event` is set (then `work` is cancelled)."""
+    task, stop = asyncio.create_task(work), asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
+    finally:
+        task.cancel()
+        stop.cancel()
 
 
 async def _start_up(args: ServerArgs, children: list[Children], supervision: Supervision):
@@ -248,6 +274,7 @@ def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Confi
         loop="none",
         http="httptools",
         log_level="warning",
+        log_config=None,  # its loggers propagate to ours (common.log): one format
         lifespan="off",
         timeout_keep_alive=30,
         timeout_graceful_shutdown=HTTP_SHUTDOWN_TIMEOUT,

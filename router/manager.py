@@ -112,6 +112,8 @@ class RouterManager:
         self.down_reason = ""  # the last replica failure, while none serves
         self._settled = asyncio.Event()  # set while a replica is ready, draining or stopped
         self._receivers: list[asyncio.Task] = []
+        for replica in replicas:
+            self._declare(replica)
 
     # ------------------------------------------------------------ replicas
 
@@ -131,8 +133,13 @@ class RouterManager:
         """Start reading a replica's frames (before `receive_loop` runs or after)."""
         if replica not in self.replicas.replicas:
             self.replicas.add(replica)
+        self._declare(replica)
         if self._receivers:
             self._receivers.append(asyncio.create_task(self._receive(replica)))
+
+    def _declare(self, replica: Replica) -> None:
+        if self.metrics is not None:
+            self.metrics.add_replica(replica.id)
 
     async def receive_loop(self) -> None:
         self._receivers = [asyncio.create_task(self._receive(r)) for r in self.replicas]
@@ -154,7 +161,10 @@ class RouterManager:
             for out in msg.outputs:
                 self._deliver(replica, out.rid, out)
         elif isinstance(msg, ReqError):
-            self._deliver(replica, msg.rid, RequestError(msg.message, msg.code, msg.status))
+            headers = {"Retry-After": str(math.ceil(msg.retry_after))} if msg.retry_after else None
+            self._deliver(
+                replica, msg.rid, RequestError(msg.message, msg.code, msg.status, headers)
+            )
         elif isinstance(msg, SchedulerStats):
             replica.stats = msg
             if self.metrics:

@@ -7,6 +7,11 @@ processes. One registry per server, so tests can run several. Every metric is in
 `METRICS` below; labels stay low-cardinality (`finish_reason`, `process`, `replica`,
 `policy`, `reason`).
 
+Every series whose labels are known when the server starts is exported from the first
+scrape, at 0 (Prometheus' advice on missing series: `rate()` of an absent series shows no
+data and `absent()` alerts fire on a healthy idle server): each replica's as it is added
+(`add_replica`), with each finish reason, and each process's.
+
 Every scheduler-side series (token and request counters, latency histograms, gauges) has
 a `replica` label: `r0`, `r1`, ... in --dp-size order, then the --replica ones; a single
 replica is `r0`. The server's totals are their `sum` (token usage: `sum(token_usage *
@@ -162,6 +167,19 @@ class Metrics:
             registry=r,
         )  # fmt: skip
 
+    def add_replica(self, replica: str) -> None:
+        """Export every series of a replica at 0 (not up yet): from the first scrape,
+        not from its first request."""
+        for series in (
+            self.prompt_tokens, self.generation_tokens, self.cached_tokens,
+            self.evicted_tokens, self.retracted, self.ttft, self.itl, self.e2e,
+            self.queue_time, self.running, self.queued, self.token_usage, self.capacity,
+            self.replica_up, self.replica_restarts, self.replica_requests,
+        ):  # fmt: skip
+            series.labels(replica)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason, replica)
+
     def observe_routing(self, policy: str, reason: str, replica: str, seconds: float) -> None:
         self.routing.labels(policy, reason).inc()
         self.routing_time.observe(seconds)
@@ -171,8 +189,7 @@ class Metrics:
         """A (re)started scheduler: its counters start from 0, its pool is empty."""
         self._stats.pop(replica, None)  # its cumulative counters start again from 0
         self._down.discard(replica)
-        for reason in FINISH_REASONS:
-            self.requests.labels(reason, replica)  # export zeros, so rate() works from the start
+        self.add_replica(replica)
         self.observe_stats(SchedulerStats(0, 0, 0.0, ready.num_slots, 0, 0), replica)
         self.replica_up.labels(replica).set(1)
         if not self._down:

@@ -12,6 +12,7 @@ second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import signal
@@ -29,6 +30,7 @@ from common.server_args import ServerArgs
 from router.metrics import Metrics
 from router.model_files import Refused, resolve_args
 from router.replica_server import ReplicaServer, replica_args_problem
+from router.stop_signals import hold_stop_signals, on_loop
 from router.supervisor import Children, Supervisor
 
 logger = logging.getLogger("replica")
@@ -48,7 +50,9 @@ def run_replica(args: ServerArgs) -> int:
     except Refused as exc:
         logger.error("%s", exc)
         return exc.status
+    # the tracker first: multiprocessing unblocks SIGINT and SIGTERM once it has started it
     start_resource_tracker()
+    hold_stop_signals()  # until the loop takes them (router.stop_signals)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)
@@ -57,6 +61,7 @@ def run_replica(args: ServerArgs) -> int:
     finally:
         children.stop()
         shutil.rmtree(runtime_dir, ignore_errors=True)
+        logger.info("stopped")
 
 
 async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> int:
@@ -66,11 +71,9 @@ async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> i
     except (ValueError, zmq.ZMQError) as exc:
         logger.error("cannot listen on %s: %s", args.listen, exc)
         return 2
-    children.start()
     stop, now = asyncio.Event(), asyncio.Event()  # the first signal, the second
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, children, stop, now, sig)
+    on_loop(asyncio.get_running_loop(), functools.partial(_on_signal, children, stop, now))
+    children.start()
     keys = "CURVE keys" if args.curve_secret_key else "no keys: loopback only"
     logger.info("listening on %s (%s) for routers; %s", args.listen, keys, describe(identity))
     loops = [server.front_loop(), server.scheduler_loop(), server.forget_silent_routers()]
@@ -86,16 +89,19 @@ async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> i
         await asyncio.sleep(FLUSH_WAIT)
         return 0
     finally:
+        hold_stop_signals()  # the clean-up after the loop is bounded: let nothing cut it
         for task in (*tasks, life, stopped):
             task.cancel()
         server.close()
 
 
 def _on_signal(children: Children, stop: asyncio.Event, now: asyncio.Event, sig: int) -> None:
+    """On the loop (router.stop_signals): the first signal drains, the next stops now."""
     name = signal.Signals(sig).name
     children.stopping.set()  # they keep serving through a group SIGTERM until we stop them
     if stop.is_set():
-        logger.info("%s: stopping now", name)
+        if not now.is_set():
+            logger.info("%s: stopping now", name)
         now.set()
     else:
         logger.info("%s: draining (--graceful-shutdown-timeout); signal again to stop now", name)
@@ -106,9 +112,12 @@ async def _drain(server: ReplicaServer, timeout: float, now: asyncio.Event) -> s
     """Wait for the requests in flight (up to `timeout`, or the second signal); the
     reason the rest fail with."""
     server.draining()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while server.owner and time.monotonic() < deadline and not now.is_set():
         await asyncio.sleep(DRAIN_POLL)
+    if not server.owner:
+        logger.info("drained in %.2f s", time.monotonic() - started)
     if not server.owner or now.is_set():
         return "the replica stopped"
     logger.warning("%d request(s) still running; failing them", len(server.owner))

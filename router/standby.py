@@ -15,7 +15,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-BLOCKED = {signal.SIGTERM, signal.SIGINT}
+from router.stop_signals import start_quietly
 
 
 @dataclass
@@ -40,14 +40,7 @@ class Standbys:
             if name not in self.ready:
                 release = self.mp.Event()
                 proc = self.make_process(name, release)
-                # Spawned while serving: a signal landing between fork and exec would run
-                # the router's handler in the copy and reach the router's loop through
-                # its wakeup fd, a second SIGTERM. Blocked here; setup_child unblocks.
-                old = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
-                try:
-                    proc.start()
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                start_quietly(proc)  # spawned while serving; setup_child unblocks
                 self.ready[name] = Standby(proc, release)
 
     def take(self, name: str):

@@ -26,10 +26,12 @@ import tempfile
 import time
 from collections import deque
 
-from common.child_process import STOP_SIGNAL
+from common.child_process import STOP_SIGNAL, StopFlag
 from common.ipc import Endpoints
+from common.log import run_logged
 from common.server_args import ServerArgs
 from router.standby import Standbys
+from router.stop_signals import start_quietly
 from worker_mlx.distributed_plan import GROUP_BROKEN
 
 logger = logging.getLogger("router")
@@ -63,7 +65,7 @@ class Children:
         self.args, self.endpoints, self.suffix = args, endpoints, suffix
         self.mp = multiprocessing.get_context("spawn")
         # set when the router starts to stop (see setup_child)
-        self.stopping = stopping if stopping is not None else self.mp.Event()
+        self.stopping = stopping if stopping is not None else StopFlag(self.mp)
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self.standbys = Standbys(self.mp, self._process)
         self.group_dir: str | None = None  # a distributed worker's hostfile and sockets
@@ -76,12 +78,12 @@ class Children:
         ranks = self._group() if self.args.group_size > 1 else []
         for spec in ranks:
             self.procs[spec.name] = proc = self._process("worker", spec=spec)
-            proc.start()
+            start_quietly(proc)
         for name in self._standby_roles():
             proc = self.standbys.take(name)
             if proc is None:
                 proc = self._process(name)
-                proc.start()
+                start_quietly(proc)
             self.procs[name] = proc
 
     def _standby_roles(self) -> tuple[str, ...]:
@@ -110,8 +112,8 @@ class Children:
         target = {"worker": run_worker, "scheduler": run_scheduler}[name]
         extra = (spec,) if spec is not None else ()
         return self.mp.Process(
-            target=target,
-            args=(self.args, self.endpoints, self.stopping, release, *extra),
+            target=run_logged,
+            args=(target, self.args, self.endpoints, self.stopping, release, *extra),
             name=(spec.name if spec is not None else name) + self.suffix,
         )
 

@@ -10,10 +10,12 @@ picked one computes the prefix, inserts it into the trie, and the others then ma
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from common.messages import ExtendReq
 from scheduler.cache import Admission, KVCacheManager
+from scheduler.memory_budget import MemoryBudget
 from scheduler.request import Req
 
 LPM_MAX_WAITING = 128  # above this, matching every waiting prompt costs more than it saves
@@ -46,14 +48,21 @@ def build_prefill(
     chunk_size: int,
     max_running: int,
     new_token_ratio: float,
+    memory: MemoryBudget | None = None,
 ) -> PrefillBatch | None:
-    """Admit what fits; `chunked` (a prefill in progress) always goes first."""
+    """Admit what fits; `chunked` (a prefill in progress) always goes first. With
+    `memory`, a request's chunk is shrunk to what the step's peak memory allows beside the
+    running requests; one that cannot get even the smallest chunk waits (its
+    `memory_blocked` records since when)."""
     token_budget = chunk_size
     kv_budget = kv.budget() - sum(int(r.remaining_new_tokens * new_token_ratio) for r in running)
     seats = max_running - len(running) - (1 if chunked else 0)  # a chunked one holds a seat
     if seats <= 0 and chunked is None:
         return None  # a full running set: skip matching every waiting prompt
     batch = PrefillBatch([], [], 0, 0)
+    running_lens = [r.seq_len for r in running]
+    decoding = list(running_lens)  # and the requests whose prompt this step completes
+    rows: list[tuple[int, int]] = []  # (tokens before, new tokens) of each picked row
     candidates = [(chunked, chunked.cache_len)] if chunked else []
     candidates += order_waiting(waiting, kv, policy)
     for req, matched in candidates:
@@ -68,9 +77,22 @@ def build_prefill(
         future = int(min(req.remaining_new_tokens, 4096) * new_token_ratio)
         if req is not chunked and new + future > kv_budget:
             break
-        admitted = kv.admit(req, token_budget)
+        chunk = token_budget
+        if memory is not None:
+            before = req.seq_len - new
+            chunk = memory.largest_chunk(running_lens, rows, before, min(new, token_budget))
+            if req is not chunked and not memory.can_join(decoding, req.seq_len):
+                chunk = 0
+            if chunk >= new and req.sampling.prompt_logprobs:  # the prompt's pass after it
+                if memory.whole_prompt_bytes(running_lens, req.seq_len) > memory.headroom:
+                    chunk = 0
+            if chunk == 0:
+                req.memory_blocked = req.memory_blocked or time.monotonic()
+                break
+        admitted = kv.admit(req, chunk)
         if admitted is None:
             break
+        req.memory_blocked = 0.0
         # the admission's own match decides (an earlier one in this batch may have evicted
         # part of the prefix matched above)
         take, prefix = len(admitted.out_cache_loc), admitted.prefix_slot_ids
@@ -83,6 +105,10 @@ def build_prefill(
         token_budget -= take
         kv_budget -= take + future
         seats -= 0 if req is chunked else 1
+        rows.append((req.num_computed - take, take))
+        if req.num_computed < req.seq_len:
+            break  # a chunk cut short (by memory): this request is the step's chunked one
+        decoding.append(req.seq_len)
     return batch if batch.reqs else None
 
 

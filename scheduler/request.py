@@ -33,6 +33,7 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     sent_len: int = 0  # output tokens already reported to the router
     queue_time: float = -1.0  # seconds from arrival to the first prefill
+    memory_blocked: float = 0.0  # monotonic time admission first found no memory for it
     logprobs: list[float] = field(default_factory=list)  # per output token, if asked
     top_logprobs: list[list] = field(default_factory=list)
     prompt_logprobs: list | None = None  # the prompt's, if asked, from its first prefill

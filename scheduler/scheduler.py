@@ -27,6 +27,7 @@ from common.messages import (
 )
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
+from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
 from scheduler.speculation import Speculator
@@ -67,6 +68,8 @@ class Scheduler:
         self.decode_rows = 0
         self._decode_log = (time.monotonic(), 0, 0)
         self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
+        # --max-memory: what each step may hold (None: a worker that reports no figures)
+        self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
 
     # ------------------------------------------------------------ inputs
 
@@ -102,6 +105,10 @@ class Scheduler:
                 f"prompt ({n} tokens) + max_new_tokens ({max_new}) can never fit in the KV "
                 f"pool of {self.kv.capacity} tokens (--max-total-tokens)"
             )
+        whole = msg.sampling.prompt_logprobs
+        why = self.memory.never_fits(n, max_new, whole) if self.memory is not None else None
+        if why is not None:
+            return "insufficient_memory", why
         return None
 
     def abort(self, rid: str) -> None:
@@ -134,7 +141,10 @@ class Scheduler:
                 chunk_size=self.args.chunked_prefill_size,
                 max_running=self.args.max_running_requests,
                 new_token_ratio=self.new_token_ratio,
+                memory=self.memory,
             )
+            if prefill is None and self.memory is not None:
+                self._expire_memory_waits()
         self.last_was_prefill = prefill is not None
         if prefill is not None:
             return self._extend_batch(prefill)
@@ -169,7 +179,10 @@ class Scheduler:
         return ExtendBatch(self.step, batch.extend, self._take_release())
 
     def _decode_batch(self) -> DecodeBatch:
-        while self.kv.budget() < len(self.running) and len(self.running) > 1:
+        while len(self.running) > 1 and (
+            self.kv.budget() < len(self.running)
+            or (self.memory and self.memory.over([r.seq_len for r in self.running]))
+        ):
             self._retract_one()
         locs = self.kv.alloc(len(self.running))
         if locs is None:
@@ -194,6 +207,15 @@ class Scheduler:
         return DecodeBatch(
             self.step, rids, locs, self._take_release(), lookahead, drafts, draft_locs
         )
+
+    def _expire_memory_waits(self) -> None:
+        """Waiting requests that found no memory beside the running ones for longer than
+        --memory-wait-timeout get a 503 (they fit alone: see `_reject_reason`)."""
+        for req in waited_too_long(self.waiting, self.args.memory_wait_timeout):
+            self.waiting.remove(req)
+            self.reqs.pop(req.rid, None)
+            self.spec.forget(req.rid)
+            self.outputs.append(wait_error(req, len(self.running)))
 
     def _retract_one(self) -> None:
         """Send the request with the least progress back to the queue; its KV stays cached."""
@@ -228,7 +250,7 @@ class Scheduler:
             self.collective_seconds = result.collective_seconds
             self.collective_probes += 1
         if isinstance(result, WorkerError):
-            self._fail_step(batch, result.message)
+            self._fail_step(batch, result.message, result.out_of_memory)
         elif isinstance(batch, PrefillBatch):
             self._after_prefill(batch, result)
         else:
@@ -292,7 +314,9 @@ class Scheduler:
             self._release(req, keep=False)
             self._finish(req, "abort")
 
-    def _fail_step(self, batch: PrefillBatch | list[Req] | None, message: str) -> None:
+    def _fail_step(
+        self, batch: PrefillBatch | list[Req] | None, message: str, oom: bool = False
+    ) -> None:
         reqs = batch.reqs if isinstance(batch, PrefillBatch) else (batch or [])
         logger.error("worker failed a step of %d requests: %s", len(reqs), message)
         self.spec.end_step()
@@ -304,7 +328,11 @@ class Scheduler:
             if req.rid in self.kv.req_to_token:
                 self._release(req, keep=False)
             self.reqs.pop(req.rid, None)
-            self.outputs.append(ReqError(req.rid, message, code="internal_error", status=500))
+            if oom:  # the worker goes on: the same request may fit later
+                error = ReqError(req.rid, message, "out_of_memory", 503, RETRY_AFTER)
+            else:
+                error = ReqError(req.rid, message, code="internal_error", status=500)
+            self.outputs.append(error)
 
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason

@@ -92,33 +92,52 @@ def test_cpu_install_never_lowers_the_cache_and_without_kernels_leaves_the_model
     assert _cache_limit() == 2 * cpu.BUFFER_CACHE_BYTES
 
 
-def test_cpu_memory_budget_is_positive_and_at_most_the_machine():
-    budget = select().memory_budget()
+def test_cpu_max_memory_is_mem_available_less_a_margin():
+    """The CPU's default --max-memory: MemAvailable at start less 10%, at least 512 MiB."""
+    budget = select().max_memory()
     total = cpu.meminfo("MemTotal")
     assert total is not None  # Linux
-    assert 0 < budget <= total
+    assert 0 < budget <= total - cpu.MIN_MARGIN
     assert cpu.meminfo("NoSuchField") is None
     assert cpu.meminfo("MemTotal", "/nonexistent/meminfo") is None
 
 
-def test_gpu_budgets_read_what_mlx_reports(monkeypatch):
-    """The GPU budgets on a CPU-only machine: only mlx's device report is stood in for."""
+def test_gpu_max_memory_reads_what_mlx_reports(monkeypatch):
+    """The GPU defaults on a CPU-only machine: only mlx's device report is stood in for."""
     active = mx.get_active_memory()
     reports = {
         "cuda": [
-            ({"free_memory": 7 << 30, "total_memory": 8 << 30}, 7 << 30),  # NVML's free
-            ({"total_memory": 8 << 30}, (8 << 30) - active),
-            ({"memory_size": 8 << 30}, (8 << 30) - active),
+            ({"free_memory": 7 << 30, "total_memory": 8 << 30}, (7 << 30) + active),
+            ({"total_memory": 8 << 30}, 8 << 30),
+            ({"memory_size": 8 << 30}, 8 << 30),
         ],
-        "metal": [({"max_recommended_working_set_size": 5 << 30}, (5 << 30) - active)],
+        "metal": [({"max_recommended_working_set_size": 5 << 30}, 5 << 30)],
     }
     for backend in (gpu.CUDA, gpu.METAL):
         for info, want in reports[backend.name]:
             monkeypatch.setattr(gpu, "device_info", lambda info=info: info)
-            assert backend.memory_budget() == want
+            assert backend.max_memory() == want
         monkeypatch.setattr(gpu, "device_info", lambda: {"device_name": "?"})
-        with pytest.raises(RuntimeError):
-            backend.memory_budget()
+        with pytest.raises(RuntimeError, match="--max-memory"):
+            backend.max_memory()
+
+
+def test_metal_wired_limit_is_the_working_set_and_never_fatal(monkeypatch):
+    """As mlx-lm's server: the wired limit is set to the recommended working set; an mlx
+    that cannot set it (this CPU-only one has no Metal) only logs a warning."""
+    wired = []
+    monkeypatch.setattr(gpu, "device_info", lambda: {"max_recommended_working_set_size": 5 << 30})
+    monkeypatch.setattr(gpu.mx, "set_wired_limit", wired.append)
+    gpu.METAL.wire(1 << 30)
+    assert wired == [5 << 30]
+
+    def refuse(limit):
+        raise RuntimeError("no Metal here")
+
+    monkeypatch.setattr(gpu.mx, "set_wired_limit", refuse)
+    gpu.METAL.wire(1 << 30)  # no exception
+    cpu_backend = select()
+    cpu_backend.wire(1 << 30)  # the CPU has nothing to wire
 
 
 def test_pool_sizing_from_a_budget():

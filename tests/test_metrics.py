@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.ipc import free_ports
 from common.messages import SchedulerReady, SchedulerStats, TokenOut
-from router.metrics import METRICS, PREFIX, Metrics, exported_series
+from router.metrics import FINISH_REASONS, METRICS, PREFIX, PROCESSES, Metrics, exported_series
+from tests.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana-dashboard.json"
@@ -316,6 +317,40 @@ def test_live_metrics_move_as_requests_run(tiny_server):
     fams = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name, kind in BRIEF:
         assert fams.get(PREFIX + name.removesuffix("_total")) == kind, name
+
+
+@pytest.mark.slow
+def test_first_scrape_has_every_known_series_at_zero(tiny_model, tmp_path):
+    """Before any request, a fresh server with two replicas exports each replica's
+    series (tokens, requests by finish reason, latency histograms, gauges) at 0, and
+    each process's: `rate()` has data and `absent()` stays quiet on an idle server."""
+    server = ServerProcess(tiny_model, tmp_path / "log",
+                           extra=["--max-total-tokens", "4096", "--dp-size", "2"])  # fmt: skip
+    server.start()
+    try:
+        m = wait_for(server.url, lambda m: m.get(PREFIX + 'replica_up{replica="r1"}') == 1,
+                     what="both replicas up")  # fmt: skip
+    finally:
+        server.stop()
+    p = PREFIX
+    for replica in ("r0", "r1"):
+        r = f'replica="{replica}"'
+        for name in ("prompt_tokens_total", "generation_tokens_total", "cached_tokens_total",
+                     "evicted_tokens_total", "retracted_requests_total",
+                     "replica_requests_total", "replica_restarts_total",
+                     "num_running_requests", "num_queued_requests", "token_usage"):  # fmt: skip
+            assert m.get(f"{p}{name}{{{r}}}") == 0, (name, replica)
+        for reason in FINISH_REASONS:
+            assert m.get(f'{p}requests_total{{finish_reason="{reason}",{r}}}') == 0, reason
+        for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                     "e2e_request_latency_seconds", "queue_time_seconds"):  # fmt: skip
+            assert m.get(f"{p}{hist}_count{{{r}}}") == 0, (hist, replica)
+            assert m.get(f'{p}{hist}_bucket{{le="+Inf",{r}}}') == 0, (hist, replica)
+        assert m.get(f"{p}kv_pool_capacity_tokens{{{r}}}") == 4096
+    for process in PROCESSES:
+        assert m.get(f'{p}process_up{{process="{process}"}}') == 1, process
+    for process in ("scheduler", "worker"):
+        assert m.get(f'{p}process_restarts_total{{process="{process}"}}') == 0, process
 
 
 @pytest.mark.slow

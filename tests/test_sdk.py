@@ -1,5 +1,6 @@
-"""The ZMQ SDK (`router.client`) against a real server: sync and async calls, streaming,
-abort, timeouts, typed errors, many concurrent clients, and clients that vanish."""
+"""The ZMQ SDK (`radix_mlx`, also `router.client`) against a real server: sync and async
+calls, streaming, abort, timeouts, typed errors, many concurrent clients, and clients
+that vanish."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -25,6 +26,10 @@ def _start(model: str, tmp_path, timeout: float, group: bool = False) -> ServerP
     server.new_session = group
     server.start()
     return server
+
+
+def _router_lines(server: ServerProcess) -> list[str]:
+    return [line for line in server.log().splitlines() if " router] " in line]
 
 
 class _Stream(threading.Thread):
@@ -73,6 +78,10 @@ def test_group_sigterm_drains_in_flight_streams(tiny_model, tmp_path):
         assert server.proc.wait(30) == 0
         assert exited(children)
         assert "Traceback" not in server.log()
+        said = _router_lines(server)
+        assert "SIGTERM: draining 3 request(s)" in said[-3], said[-3:]
+        assert re.search(r"\] drained in [\d.]+ s$", said[-2]), said[-3:]
+        assert said[-1].endswith("] stopped"), said[-3:]
     finally:
         server.stop()
 
@@ -107,5 +116,8 @@ def test_second_signal_stops_at_once(tiny_model, tmp_path):
         stream.join(30)
         assert stream.finish is None
         assert "Traceback" not in server.log()
+        said = _router_lines(server)
+        assert said[-2].endswith("SIGINT: stopping now") and said[-1].endswith("] stopped"), said
+        assert "drained in" not in server.log()
     finally:
         server.stop()

@@ -24,8 +24,11 @@ FLOOR = 64 << 20  # bytes: more than the tiny and small models' decode-step temp
 
 
 class BufferCacheBound:
-    def __init__(self):
+    def __init__(self, cap: int | None = None):
+        """`cap`: the most --max-memory leaves the cache (worker_mlx/memory.py)."""
         self.ceiling = mx.set_cache_limit(FLOOR)  # the backend's limit
+        if cap is not None:
+            self.ceiling = min(self.ceiling, cap)
         self.resident = mx.get_active_memory()  # the weights and the pools
         mx.reset_peak_memory()  # loading's own temporaries are not a step's
         self.limit = min(FLOOR, self.ceiling)

@@ -68,6 +68,11 @@ class DecodeBuffer:
         self.hole_counts = [0] * len(rids)
         self.hole_columns = 0  # the most holes any row has
 
+    def nbytes(self) -> int:
+        """Bytes the buffer's arrays hold."""
+        parts = [p for layer in self.parts for p in layer] if self.parts else []
+        return sum(a.nbytes for a in [*self.keys, *self.values, *parts])
+
     # ------------------------------------------------------------ rows
 
     def rows(self, rids: list[str]) -> list[int] | None:

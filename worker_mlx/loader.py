@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from common.messages import WorkerReady
 from common.server_args import ServerArgs
+from worker_mlx import memory
 from worker_mlx.backends import select
 from worker_mlx.distributed import Rank, agree_pool_size
 from worker_mlx.distributed_plan import PlanError
@@ -32,9 +33,13 @@ def load_runner(
     process); the model is cut to its share and the pool holds that share."""
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
+    processes = args.dp_size * (rank.spec.ranks_on_host if rank is not None else 1)
+    total = memory.budget(args.max_memory_bytes, backend, processes)  # before the weights
+    on_cpu = backend.name == "cpu"  # the process's own memory is the budget's there
     model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path, rank)
     layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
+    backend.wire(mx.get_active_memory())
     vocab_size = _vocab_size(model, config)
     context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
     model_type = _model_type(model, config)
@@ -42,8 +47,13 @@ def load_runner(
     draft = None
     if args.speculative_algorithm == "draft":
         draft = _load_draft(args, backend, tokenizer, vocab_size)
-    pool, states = _make_pools(args, backend, layout, state_layout, draft, rank)
     step = args.prefill_step_size or backend.prefill_step
+    figures = memory.step_figures(model, layout, state_layout, vocab_size, step)
+    share = None
+    if args.max_total_tokens is None:
+        fraction = args.mem_fraction_static or backend.mem_fraction
+        share = memory.pool_bytes(total, figures, fraction, on_cpu)
+    pool, states = _make_pools(args, backend, layout, state_layout, share, draft, rank)
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
@@ -55,6 +65,7 @@ def load_runner(
     runner.pipeline_stage = stage
     if draft is not None:
         _attach_draft(args.speculative_draft_model_path, runner, *draft)
+    held = runner.memory = memory.report(total, figures, on_cpu)
     ready = WorkerReady(
         num_slots=pool.num_slots,
         model_type=model_type,
@@ -68,6 +79,7 @@ def load_runner(
         blas=blas,
         num_state_slots=states.num_slots if states is not None else 0,
         verifies_drafts=runner.verifies_drafts,
+        memory=memory.for_scheduler(held),
     )
     return runner, ready
 
@@ -111,20 +123,15 @@ def _attach_draft(path: str, runner: ModelRunner, model, layout: KVLayout) -> No
 
 def _make_pools(
     args: ServerArgs, backend, layout: KVLayout, state_layout: StateLayout | None,
-    draft: tuple | None = None, rank: Rank | None = None,
+    share: int | None, draft: tuple | None = None, rank: Rank | None = None,
 ) -> tuple[MlxKVPool, StatePool | None]:  # fmt: skip
-    """The KV pool (--max-total-tokens, or the backend's budget) and, for a model with
-    recurrent layers, the state pool, whose share is taken from the budget first. With a
-    draft model a slot costs both models' bytes (its pool has the same slots)."""
-    budget = None if args.max_total_tokens is not None else backend.memory_budget()
+    """The KV pool (--max-total-tokens, or `share` bytes: memory.pool_bytes, this process's
+    part of --max-memory) and, for a model with recurrent layers, the state pool, whose
+    share is taken first. With a draft model a slot costs both models' bytes (its pool has
+    the same slots)."""
     extra = draft[1].bytes_per_slot if draft is not None else 0  # the draft's pool
-    # each of --dp-size replicas gets its share (the later ones take the first one's size)
-    fraction = (args.mem_fraction_static or backend.mem_fraction) / args.dp_size
-    if rank is not None:  # and each rank on this machine its share of the replica's
-        fraction /= rank.spec.ranks_on_host
     states = None
     if state_layout is not None:
-        share = None if budget is None else int(budget * fraction)
         n = state_slots(state_layout, share, args.max_running_requests)
         states = StatePool(state_layout, n)
         logger.info(
@@ -132,12 +139,13 @@ def _make_pools(
             n, state_layout.bytes_per_slot, n * state_layout.bytes_per_slot / 2**20,
             state_layout.num_layers,
         )  # fmt: skip
-    if budget is None:
+    if share is None:
         num_slots, sizing = args.max_total_tokens, "--max-total-tokens"
     else:
         taken = 0 if states is None else states.num_slots * state_layout.bytes_per_slot
-        num_slots = pool_size(layout, fraction, budget - int(taken / fraction), extra)
-        sizing = f"{fraction:.0%} of {budget / 2**30:.1f} GiB, the {backend.name} budget"
+        num_slots = pool_size(layout, 1.0, share - taken, extra)
+        fraction = args.mem_fraction_static or backend.mem_fraction
+        sizing = f"{fraction:.0%} of what --max-memory leaves on {backend.name}"
     if rank is not None:
         num_slots = agree_pool_size(rank.group, num_slots)
         rank.log(num_slots)

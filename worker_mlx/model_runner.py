@@ -78,6 +78,8 @@ class ModelRunner:
         # its sends meet the next stage's receives (docs/architecture.md)
         self.pipeline_stage = False
         self.drafter = None  # the DraftModel of --speculative-algorithm draft (the loader's)
+        self.guard = None  # the worker's memory.StepGuard (None: no check before a step)
+        self.memory = None  # the loader's MemoryReport: what --max-memory allows and holds
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -328,6 +330,19 @@ class ModelRunner:
         if snaps:
             self.states.copy(snaps)
             mx.eval(self.states.all())
+
+    def recover(self) -> None:
+        """After a step ran out of memory: free its temporaries, write what only the
+        decode buffer holds into the pool (an extend flushed it first, so this is
+        nothing then; a failed decode's rows are released next anyway) and drop the
+        buffer, which the next decode rebuilds from the pool."""
+        self.lookahead.invalidate()
+        mx.clear_cache()
+        try:
+            self.flush()
+        finally:
+            self.buffer = None
+            mx.clear_cache()
 
     def flush(self, skip: set[str] = frozenset()) -> None:
         """Write every decode token that is only in the decode buffer into the pool."""

@@ -49,11 +49,15 @@ def run_worker(
     from worker_mlx.buffer_cache import BufferCacheBound
     from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
     from worker_mlx.loader import load_runner
+    from worker_mlx.memory import StepGuard, apply_test_limits
 
     wait_for_release("worker", release)
     rank = join_group(spec) if spec is not None else None
     runner, ready = load_runner(args, blas, rank)
-    cache = BufferCacheBound()
+    # not in a group: each rank's own count could refuse a step the others run
+    runner.guard = StepGuard(runner.memory) if spec is None else None
+    cache = BufferCacheBound(runner.memory.cache)
+    apply_test_limits(runner.memory)
     ctx = zmq.Context()
     trace = Trace(args.trace_dir, name)
     probe = CollectiveProbe(rank, runner.model) if rank is not None else None
@@ -122,9 +126,15 @@ def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None
             return None
         ahead = runner.lookahead.has_step  # then the step may already be computed
         started = time.perf_counter()
+        if runner.guard is not None and not ahead:
+            runner.guard.check(runner, msg)
         out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
         took = None if ahead or isinstance(msg, ExtendBatch) else time.perf_counter() - started
     except Exception as exc:
+        from worker_mlx.memory import is_out_of_memory  # mlx: not at import (blas.py)
+
+        if is_out_of_memory(exc) and not group:
+            return _out_of_memory(runner, msg, exc)
         if group and not isinstance(exc, ValueError):
             logger.error("step %d failed in the group (%s); exiting", msg.step, exc)
             raise SystemExit(GROUP_BROKEN) from exc
@@ -138,3 +148,16 @@ def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None
         top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
         accepted=out.accepted, drafts=out.drafts, step_seconds=took,
     )  # fmt: skip
+
+
+def _out_of_memory(runner, msg, exc: Exception) -> WorkerError:
+    """The step's requests fail with a 503 and the worker goes on: the step's temporaries
+    are freed, the decode buffer (the failed rows' or, for an extend, already flushed)
+    dropped, and the scheduler releases the step's slots as for any failed step."""
+    kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
+    logger.error("%s step %d ran out of memory: %s", kind, msg.step, exc)
+    runner.recover()
+    text = str(exc)
+    if not text.startswith("out of memory"):
+        text = f"out of memory computing this step ({text})"
+    return WorkerError(step=msg.step, message=text, out_of_memory=True)

@@ -7,10 +7,11 @@ a Mac running on its CPU gets the CPU profile, and a Linux box with mlx's CUDA b
 
 - `prefill_step`: prompt tokens per forward pass and row, when --prefill-step-size is not
   given;
-- `mem_fraction`: the share of `memory_budget()` the auto-sized KV pool may take, when
-  --mem-fraction-static is not given;
-- `memory_budget()`: the bytes a new KV pool may take on this device, once the weights are
-  loaded;
+- `mem_fraction`: the share of the memory left beside the weights and a step's
+  temporaries that the auto-sized KV pool may take, when --mem-fraction-static is not given;
+- `max_memory()`: what --max-memory means when it is not given: the most this worker
+  process may hold on this device, asked before the model loads (worker_mlx/memory.py);
+- `wire(model_bytes)`: Metal's wired limit, as mlx-lm's server sets it;
 - `compile_decode`: whether the batched decode step is traced by `mx.compile` and replayed.
   That code is device-neutral (`decode_step`); which profiles turn it on is measured;
 - `install(model)`: the device's changes to the process and the model (on the CPU a
@@ -39,9 +40,12 @@ class Backend:
     mem_fraction: float
     compile_decode: bool
 
-    def memory_budget(self) -> int:
-        """Bytes a new KV pool may take on this device now (before `mem_fraction`)."""
+    def max_memory(self) -> int:
+        """The default --max-memory: bytes this process may hold on the device, in all."""
         raise NotImplementedError
+
+    def wire(self, model_bytes: int) -> None:
+        """Keep the weights resident where the device can (Metal's wired memory)."""
 
     def install(self, model: Any) -> Callable[[], None]:
         """Apply this backend's changes to the process and `model`; returns their undo."""

@@ -8,8 +8,9 @@ Its numbers were measured on x86 Linux (docs/architecture.md, "the CPU fast path
   computing them (batch 8 at 300 tokens: 8.9 -> 4.9 ms a step on the small model);
 - a 1 GiB buffer cache, the vectorised exp (cpu_kernels) and the RoPE table (cpu_rope).
 
-The KV pool may take half the memory the OS reports available: the rest is for the
-prefill's temporaries, the tokenizer and the other processes.
+--max-memory defaults to the memory the OS reports available at start (MemAvailable)
+less a margin for the router, the scheduler and the page cache: 10%, at least 512 MiB.
+The KV pool may take half of what the weights and a step's temporaries leave of it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ logger = logging.getLogger("worker")
 
 PREFILL_STEP = 256
 MEM_FRACTION = 0.5
+MARGIN, MIN_MARGIN = 0.1, 512 << 20  # kept out of the default --max-memory
 # MLX keeps freed buffers for reuse up to this many bytes. Its CPU default here is 32 MiB,
 # less than one prefill's attention scores, so every step returned its temporaries to the
 # OS and page-faulted them back: a 1 GiB cache made a 2,048-token prefill 1.3-1.6x faster.
@@ -40,14 +42,16 @@ class CpuBackend(Backend):
     # the vectorised exp and the RoPE table (off: --disable-cpu-kernels)
     kernels: bool = True
 
-    def memory_budget(self) -> int:
-        """MemAvailable from /proc/meminfo; where there is none (macOS), physical memory
-        less what mlx holds (the OS's count of free pages there leaves out its caches)."""
+    def max_memory(self) -> int:
+        """MemAvailable from /proc/meminfo plus what mlx already holds, less the margin;
+        where there is none (macOS), physical memory less the margin (the OS's count of
+        free pages there leaves out its caches)."""
         available = meminfo("MemAvailable")
-        if available is not None:
-            return available
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return total - mx.get_active_memory()
+        if available is None:
+            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        else:
+            available += mx.get_active_memory()
+        return available - max(int(available * MARGIN), MIN_MARGIN)
 
     def install(self, model: nn.Module) -> Callable[[], None]:
         """Raise (never lower) mlx's buffer cache to BUFFER_CACHE_BYTES and, with `kernels`,
