@@ -89,8 +89,8 @@ class AccessLog:
                     f", #prompt-token: {usage.prompt}, #cached-token: {usage.cached}, "
                     f"#generated-token: {usage.generated}"
                 )
-            if status[0] >= 400:
-                line += f", error: {_error_message(bytes(error_body))}"
+            if status[0] >= 400:  # on one line, whatever the message holds
+                line += ", error: " + " ".join(_error_message(bytes(error_body)).split())
             logger.info("%s", line)
 
 
