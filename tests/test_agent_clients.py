@@ -13,14 +13,13 @@ official `openai` and `anthropic` SDKs and raw HTTP:
 from __future__ import annotations
 
 import re
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.server import ServerProcess, checked_server
+from tests.server import ServerProcess, checked_server, log_lines
 
 CONTEXT = 192
 SERVER = [
@@ -130,16 +129,6 @@ def test_model_names_and_aliases(oai, claude, server):
     with pytest.raises(anthropic.NotFoundError) as err:
         claude.messages.create(model="claude-opus-4", max_tokens=2, messages=ASK)
     assert err.value.body["error"]["type"] == "not_found_error"
-
-
-def log_lines(server, pattern: str, timeout: float = 10) -> list[str]:
-    """The server log's lines matching `pattern` (written once the response is sent)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = [line for line in server.log().splitlines() if re.search(pattern, line)]
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
 
 
 def test_one_access_log_line_per_request(oai, server):

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.conftest import load_model
-from tests.server import checked_server
+from tests.server import checked_server, log_lines
 from tests.test_tools_api import AGENT_SERVER, UNICODE_ARGS, WEATHER
 
 KEY = "sekret"
@@ -288,6 +288,8 @@ def test_errors_are_anthropic_shaped(claude, server):
         with pytest.raises(anthropic.AuthenticationError) as err:
             create(wrong)
     assert err.value.body["error"]["type"] == "authentication_error"
+    # the guard's 401, answered before any route: one access-log line too
+    assert log_lines(server, r"POST /v1/messages 401, .*error: invalid or missing API key")
 
 
 def test_bearer_and_x_api_key_both_work(server):
