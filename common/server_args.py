@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -147,9 +148,25 @@ class ServerArgs:
         choices=["ipc", "tcp"],
         commands=SERVE,
     )
-    served_model_name: str | None = flag(
+    served_model_name: list[str] | None = flag(
         None,
-        "the model id the API reports and accepts (default: the model path)",
+        "a model id the API accepts (repeatable); the first is the one it reports "
+        "(default: the model directory's name)",
+        metavar="NAME",
+        action="extend",
+        commands=SERVE,
+    )
+    model_alias: list[str] | None = flag(
+        None,
+        "a glob of other model ids served by this model, e.g. 'claude-haiku-*' (repeatable)",
+        metavar="PATTERN",
+        action="extend",
+        commands=SERVE,
+    )
+    strict_max_tokens: bool = flag(
+        False,
+        "refuse (400) a max_tokens beyond what the context leaves after the prompt, "
+        "rather than cut it to fit",
         commands=SERVE,
     )
     watchdog_timeout: float = flag(
@@ -271,6 +288,8 @@ class ServerArgs:
             raise ValueError(
                 "--speculative-algorithm draft and --speculative-draft-model-path go together"
             )
+        if self.served_model_name is not None and not all(self.served_model_name or [""]):
+            raise ValueError("--served-model-name needs a non-empty name")
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:
@@ -341,8 +360,17 @@ class ServerArgs:
         return self.tp_size * self.pp_size
 
     @property
+    def served_model_names(self) -> list[str]:
+        """The model ids the API accepts, the reported one first: the given names, else
+        the model directory's (or Hugging Face id's) last part, which clients that parse
+        `provider/model` strings take as it is."""
+        if self.served_model_name:
+            return list(self.served_model_name)
+        return [os.path.basename(self.model_path.rstrip("/")) or self.model_path]
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model_path
+        return self.served_model_names[0]
 
 
 def flag_name(f: dataclasses.Field) -> str:

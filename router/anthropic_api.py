@@ -74,7 +74,8 @@ class CountTokensRequest(RequestBody):
         raise RequestError("tool_choice.type must be auto, any, tool (with a name) or none")
 
     def template_kwargs(self) -> dict:
-        """`thinking` as the template's switch; without it, the model's default."""
+        """`thinking` as the template's switch; without it, off (as on Anthropic's API:
+        router.chat_format.ChatFormat.template_kwargs)."""
         kind = (self.thinking or {}).get("type")
         if kind is None:
             return {}
@@ -124,10 +125,12 @@ class MessagesRequest(CountTokensRequest):
         return list(self.stop_sequences or [])
 
 
-def system_text(system: str | list) -> str:
+def system_text(system: str | list, where: str = "system") -> str:
     if isinstance(system, str):
         return system
-    return "".join(_text_block(b, f"system.{i}") for i, b in enumerate(system))
+    if not isinstance(system, list):
+        raise RequestError(f"{where} must be a string or a list of text blocks")
+    return "".join(_text_block(b, f"{where}.{i}") for i, b in enumerate(system))
 
 
 def _check_thought(block: dict, where: str, signer: ThinkingSigner | None) -> None:
@@ -143,10 +146,13 @@ def _check_thought(block: dict, where: str, signer: ThinkingSigner | None) -> No
 
 def _message(i: int, message: dict, signer: ThinkingSigner | None = None) -> list[dict]:
     """One Anthropic message as OpenAI messages: a user turn's tool results become `tool`
-    messages (before its text), an assistant's tool_use blocks its `tool_calls`."""
+    messages (before its text), an assistant's tool_use blocks its `tool_calls`. A system
+    message among them (Claude Code sends one) is system text at its position."""
     role, content = message.get("role"), message.get("content")
+    if role == "system":
+        return [{"role": "system", "content": system_text(content, f"messages.{i}.content")}]
     if role not in ("user", "assistant"):
-        raise RequestError(f"messages.{i}.role must be user or assistant")
+        raise RequestError(f"messages.{i}.role must be user, assistant or system, not {role!r}")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):

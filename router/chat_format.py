@@ -67,12 +67,15 @@ class ChatFormat:
         return self.tool_parser is not None
 
     def template_kwargs(self, given: dict | None) -> dict:
-        """The template's arguments: the request's, with thinking on by default where the
-        model thinks (as mlx-lm's wrapper does), under the name its template uses."""
+        """The template's arguments: the request's, under the name its template uses for
+        the thinking switch. A request that does not ask for thinking gets none (as on
+        Anthropic's API): the switch is set off explicitly, because templates such as
+        Qwen3's think when it is undefined, and an agent that did not ask for a thought
+        would see its answer cut short by one."""
         kwargs = dict(given or {})
         if self.thinking_kwarg != "enable_thinking" and "enable_thinking" in kwargs:
             kwargs[self.thinking_kwarg] = kwargs.pop("enable_thinking")
-        kwargs.setdefault(self.thinking_kwarg, self.think_start is not None)
+        kwargs.setdefault(self.thinking_kwarg, False)
         return kwargs
 
     def starts_thinking(self, prompt: str) -> bool:

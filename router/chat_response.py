@@ -32,22 +32,26 @@ def plan_chat(
     OpenAI-shaped `messages`, `tools` and tool `choice`; `grammar` is the requested output
     format's (router.constraints.output_grammar), which a forced tool call replaces.
     A thought is bounded by `think_budget` tokens (Anthropic's budget_tokens) if given,
-    else before such an output by half of `max_tokens` (the request's, if it set one), so
-    the constrained answer still fits."""
+    else by half of `max_tokens` (the request's, if it set one, cut to what the context
+    leaves), so the answer still fits after it; a budget the cut leaves no room after is
+    halved too."""
     fmt = tok.chat_format
     tools = check_tools(fmt, tools)
     parse_tools, forced = tool_choice(choice, tools)
     text = tok.render_chat(messages, tools, template_kwargs)
     prompt = ChatPrompt(fmt, tools if parse_tools else None, fmt.starts_thinking(text))
-    if not think_budget and (forced or grammar) and max_tokens:
-        think_budget = max_tokens // 2
+    ids = tok.encode_rendered(text)
+    if max_tokens:
+        max_tokens = tok.fit(len(ids), max_tokens)
+        if not think_budget or think_budget >= max_tokens:
+            think_budget = max_tokens // 2
     if forced:
         if grammar:
             raise RequestError("a tool_choice that forces a call takes no output format")
         grammar = tool_grammar(fmt, tools, forced, prompt.thinking, think_budget)
     elif prompt.thinking:
         grammar = after_thinking(fmt, grammar, think_budget)
-    return tok.encode_rendered(text), prompt, grammar
+    return ids, prompt, grammar
 
 
 def chat_renderer(

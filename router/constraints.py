@@ -64,11 +64,13 @@ def after_thinking(
     """The grammar for a chat whose prompt opened a thinking block: a JSON answer comes
     after the model's thought (`_thought`); a regex or EBNF governs the whole output,
     thinking included; without a grammar, a `think_budget` alone bounds the thought and
-    leaves the answer free."""
+    leaves the answer free but for one thing: it is not empty (a thought cut by its budget
+    is followed by an answer, or by max_tokens, never by the end of the turn)."""
     kind, source = grammar or ("", "")
     if grammar is None and think_budget:
         end = json.dumps(fmt.think_end)
-        lark = f"start: thought {end} ANSWER\nANSWER: /(?s:.*)/\n{_thought(fmt, think_budget)}"
+        answer = r"ANSWER: /(?s:\s*\S.*)/"
+        lark = f"start: thought {end} ANSWER\n{answer}\n{_thought(fmt, think_budget)}"
         return checked(("lark", lark))
     if kind != "json_schema":
         return grammar

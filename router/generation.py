@@ -22,9 +22,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 class Tokenization:
     """Text and chat prompts to token ids, with the limits checked before anything is sent."""
 
-    def __init__(self, tokenizer, manager: RouterManager):
+    def __init__(self, tokenizer, manager: RouterManager, clamp: bool = False):
+        """`clamp`: a max_tokens beyond what the context leaves is cut to fit (the HTTP
+        API's default, as agents ask for more than small models hold: Claude Code sends
+        32000); else it is a 400 (--strict-max-tokens, and the SDK)."""
         self.tokenizer = tokenizer
         self.manager = manager
+        self.clamp = clamp
         self.chat_format = ChatFormat.of(tokenizer)
 
     def encode_text(self, text: str) -> list[int]:
@@ -53,9 +57,13 @@ class Tokenization:
         except Exception as exc:  # jinja raises many kinds
             raise RequestError(f"cannot render the chat template: {exc}") from None
 
-    def check_ids(self, input_ids: list[int], sampling: SamplingParams, invalid=None) -> None:
-        """`invalid(InvalidParam)`: the RequestError for a sampling parameter out of range,
-        in the request's own words (default: SamplingParams' names, the SDK's)."""
+    def check_ids(
+        self, input_ids: list[int], sampling: SamplingParams, invalid=None
+    ) -> SamplingParams:
+        """The sampling parameters to run the prompt with: checked, max_new_tokens cut to
+        the room the context leaves (`fit`). `invalid(InvalidParam)`: the RequestError for
+        a sampling parameter out of range, in the request's own words (default:
+        SamplingParams' names, the SDK's)."""
         vocab = len(self.tokenizer)
         if not input_ids:
             raise RequestError("the prompt is empty")
@@ -67,14 +75,30 @@ class Tokenization:
             if invalid is not None:
                 raise invalid(exc) from None
             raise RequestError(str(exc), param=exc.field) from None
+        fitted = self.fit(len(input_ids), sampling.max_new_tokens)
+        if fitted == sampling.max_new_tokens:
+            return sampling
+        return dataclasses.replace(sampling, max_new_tokens=fitted)
+
+    def fit(self, prompt_tokens: int, max_new: int | None) -> int:
+        """The most tokens a completion of a `prompt_tokens` prompt may have, asked for
+        `max_new` (None: as many as fit): the context (`RouterManager.max_model_len`)
+        minus the prompt, when that is less and `clamp` is on; a request ending there
+        finishes with `length`, as at any max_tokens. A prompt that leaves no room for one
+        token is refused, and so is a larger max_new without `clamp`."""
         limit = self.manager.max_model_len
-        if limit and len(input_ids) + sampling.max_new_tokens > limit:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {len(input_ids) + sampling.max_new_tokens} tokens "
-                f"({len(input_ids)} in the prompt, {sampling.max_new_tokens} for the completion).",
-                "context_length_exceeded",
-            )
+        if not limit:  # no replica ready: nothing to fit to (the request waits for one)
+            return max_new or 1
+        room = limit - prompt_tokens
+        if room >= 1 and (max_new is None or max_new <= room or self.clamp):
+            return room if max_new is None else min(max_new, room)
+        asked = max_new or 1
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you "
+            f"requested {prompt_tokens + asked} tokens "
+            f"({prompt_tokens} in the prompt, {asked} for the completion).",
+            "context_length_exceeded",
+        )
 
 
 def text_messages(messages: list) -> list[dict]:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from common.messages import Output
+from router.access_log import AccessLog, count_usage
 from router.anthropic_api import anthropic_error_body
 from router.anthropic_messages import AnthropicRoutes
 from router.chat_response import chat_renderer, plan_chat
@@ -27,6 +28,7 @@ from router.constraints import output_grammar
 from router.generation import Tokenization, generate_text
 from router.manager import RequestError, RouterManager
 from router.metrics import track_finish
+from router.model_names import ModelNames
 from router.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,12 +65,15 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
             CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
+    app.add_middleware(AccessLog)  # outermost: it sees every answer, the guard's and CORS's
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     routes = _Routes(manager, tokenizer, args, metrics)
-    app.get("/health")(routes.health)
+    app.api_route("/", methods=["GET", "HEAD"])(routes.root)
+    app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
     app.get("/v1/models")(routes.models)
+    app.get("/v1/models/{model_id:path}")(routes.model)
     app.get("/metrics")(routes.metrics_text)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
@@ -106,9 +111,10 @@ class _Routes:
 
     def __init__(self, manager: RouterManager, tokenizer, args, metrics):
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
-        self.tok = Tokenization(tokenizer, manager)
+        self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
         self.pieces = TokenPieces(tokenizer)
-        self.model_name = args.model_name
+        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
+        self.model_name = self.names.reported
 
     async def health(self):
         """200 while a replica serves; the body says why not, and lists every replica."""
@@ -118,15 +124,28 @@ class _Routes:
         reason = self.manager.unhealthy_reason or "starting"
         return JSONResponse({"status": reason, "replicas": replicas}, status_code=503)
 
-    async def models(self):
-        card = {
-            "id": self.model_name,
+    async def root(self):
+        """Some clients probe the base URL (`HEAD /`) before they send anything."""
+        return {"status": "ok" if self.manager.healthy else "starting"}
+
+    def _card(self, model_id: str) -> dict:
+        return {
+            "id": model_id,
             "object": "model",
             "created": 0,
             "owned_by": "radix-mlx",
             "max_model_len": self.manager.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    async def models(self):
+        return {"object": "list", "data": [self._card(name) for name in self.names.served]}
+
+    async def model(self, model_id: str):
+        """A served name's card; an alias's is the same model's under the asked-for id."""
+        if not model_id:
+            raise RequestError("a model id is needed", "model_not_found", 404, param="model")
+        self.names.check(model_id)
+        return self._card(model_id)
 
     async def metrics_text(self):
         if self.metrics is None:
@@ -143,13 +162,7 @@ class _Routes:
 
     def _check_model(self, req) -> None:
         self.manager.check_ready()
-        if req.model not in (None, "", self.model_name, self.args.model_path):
-            raise RequestError(
-                f"model {req.model!r} does not exist; serving {self.model_name!r}",
-                "model_not_found",
-                404,
-                param="model",
-            )
+        self.names.check(req.model)
 
     async def tokenize(self, req: TokenizeRequest):
         self._check_model(req)
@@ -170,10 +183,10 @@ class _Routes:
 
     def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
         """The request's chunks of generated text."""
-        self.tok.check_ids(ids, sampling, req.invalid)
+        sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
-        return track_finish(chunks, self.metrics, rid)
+        return count_usage(track_finish(chunks, self.metrics, rid))
 
     def _prompts(self, prompt) -> list[list[int]]:
         """The prompt, or each prompt of a batch, as token ids."""
@@ -253,12 +266,10 @@ class _Routes:
         if max_new is None:
             max_new = req.max_tokens
         ids, prompt, grammar = plan_chat(
-            self.tok, req.messages, req.tools, req.tool_choice, req.chat_template_kwargs, grammar,
+            self.tok, req.messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
             max_new,
         )  # fmt: skip
-        if max_new is None:  # as much as fits in the context and in the KV pool
-            room = self.manager.max_model_len - len(ids)
-            max_new = max(1, room)
+        max_new = self.tok.fit(len(ids), max_new)  # None: as much as the context leaves
         sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

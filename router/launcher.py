@@ -64,8 +64,6 @@ def stop_bound(args: ServerArgs) -> float:
 
 
 def serve(args: ServerArgs) -> int:
-    if args.served_model_name is None:
-        args = dataclasses.replace(args, served_model_name=args.model_path)
     set_title("router", server_title(args.port, args.model_name))
     setup_logging("router", args.log_level)
     rank = launched_rank() if args.dist_hostfile else None

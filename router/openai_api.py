@@ -109,6 +109,15 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # OpenAI's; any but "none" turns thinking on
+
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs, with reasoning_effort as the thinking switch unless they
+        set it; neither: no thinking (router.chat_format.ChatFormat.template_kwargs)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def param_name(self, sampling_field: str) -> str:
         if sampling_field == "max_new_tokens" and self.max_completion_tokens is not None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
-# Qwen3's template, cut to what the tests use, with the tool calls written in one of
+# Qwen3's template, cut to what the tests use (a system message after the first renders as a
+# system turn at its position, as in Qwen3's), with the tool calls written in one of
 # mlx-lm's tool formats: mlx-lm infers the parser from the template's markers (json_tools
 # from `<tool_call>` and `tool_call.name`) and the thinking markers from the vocabulary.
 _TEMPLATE = (
@@ -24,7 +25,7 @@ _TEMPLATE = (
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "{% if message.role == 'system' %}"
+    "{% if message.role == 'system' and loop.first %}"
     "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
     "{% for tool_call in message.tool_calls or [] %}"
     "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
@@ -122,7 +123,12 @@ AGENT_TEMPLATE = agent_template()
 def build_agent_model(tiny_model: str, out_dir: Path, tool_format: str = "json_tools") -> str:
     import mlx.core as mx
 
-    if (out_dir / "config.json").exists():
+    config_path = out_dir / "tokenizer_config.json"
+    if (out_dir / "config.json").exists():  # built before: its template may be older
+        config = json.loads(config_path.read_text())
+        if config["chat_template"] != agent_template(tool_format):
+            config["chat_template"] = agent_template(tool_format)
+            config_path.write_text(json.dumps(config))
         return str(out_dir)
     shutil.copytree(tiny_model, out_dir)
     tok = json.loads((out_dir / "tokenizer.json").read_text())
@@ -133,7 +139,6 @@ def build_agent_model(tiny_model: str, out_dir: Path, tool_format: str = "json_t
             "rstrip": False, "normalized": False, "special": False,
         })  # fmt: skip
     (out_dir / "tokenizer.json").write_text(json.dumps(tok))
-    config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = agent_template(tool_format)
     config_path.write_text(json.dumps(config))

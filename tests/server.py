@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +71,16 @@ class ServerProcess(_Process):
                     return pid
             time.sleep(0.05)
         raise AssertionError(f"no radix-mlx::{name} child of {self.proc.pid}")
+
+
+def log_lines(server, pattern: str, timeout: float = 10) -> list[str]:
+    """The server log's lines matching `pattern` (written once the response is sent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [line for line in server.log().splitlines() if re.search(pattern, line)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -141,18 +141,24 @@ def test_anthropic_max_tokens_is_named_as_anthropic_names_it(server):
 
 def test_the_reported_max_model_len_is_what_one_request_can_have(server, tiny_model):
     """The pool holds fewer tokens than the model's context: the limit clients see is
-    the pool's, and a request beyond it is refused as too long for that limit."""
+    the pool's; a prompt beyond it is refused as too long for that limit, and a max_tokens
+    beyond it is cut to the room the prompt leaves (finish_reason length)."""
     context = json.loads((Path(tiny_model) / "config.json").read_text())["max_position_embeddings"]
     assert context > POOL
     card = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
     assert card["max_model_len"] == POOL
     r = httpx.post(server.url + "/tokenize", json={"prompt": "hi"}, timeout=30)
     assert r.json()["max_model_len"] == POOL
-    too_long = {"prompt": [5] * (POOL - 10), "max_tokens": 20}
+    too_long = {"prompt": [5] * POOL, "max_tokens": 1}
     r = httpx.post(server.url + COMP, json=too_long, timeout=30)
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded", error
     assert f"maximum context length is {POOL} tokens" in error["message"]
-    fits = {"prompt": [5] * (POOL - 10), "max_tokens": 2, "temperature": 0}
-    assert httpx.post(server.url + COMP, json=fits, timeout=120).status_code == 200
+    fits = {"prompt": [5] * (POOL - 10), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + COMP, json=fits, timeout=120)
+    assert r.status_code == 200, r.text
+    assert (r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (
+        10,
+        "length",
+    )

@@ -130,7 +130,8 @@ def test_agent_template_is_inferred_as_json_tools(agent_model):
 
     f = ChatFormat.of(AutoTokenizer.from_pretrained(agent_model))
     assert (f.tool_parser_type, f.think_start, f.think_end) == ("json_tools", "<think>", "</think>")
-    assert f.template_kwargs(None) == {"enable_thinking": True}
+    assert f.template_kwargs(None) == {"enable_thinking": False}  # off unless asked for
+    assert f.template_kwargs({"enable_thinking": True}) == {"enable_thinking": True}
     assert f.starts_thinking("<|im_start|>assistant\n<think>\n")
     assert not f.starts_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 

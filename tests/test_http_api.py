@@ -10,6 +10,7 @@ import json
 import random
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -285,7 +286,11 @@ def test_errors_surface_as_openai_exceptions(server, oai):
         ),
         (openai.BadRequestError, "temperature must be >= 0", dict(temperature=-1)),
         (openai.BadRequestError, "top_p must be in (0, 1]", dict(top_p=1.5)),
-        (openai.BadRequestError, "maximum context length is 8192", dict(max_tokens=40000)),
+        (
+            openai.BadRequestError,
+            "maximum context length is 8192",
+            dict(messages=[{"role": "user", "content": "hi " * 8192}]),
+        ),
     ]
     for exc, needle, kwargs in cases:
         with pytest.raises(exc) as info:
@@ -295,7 +300,7 @@ def test_errors_surface_as_openai_exceptions(server, oai):
     with pytest.raises(openai.BadRequestError, match="prompt token ids must be in"):
         oai.completions.create(model="", prompt=[1, 2, 100000], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="context_length_exceeded|context length"):
-        oai.completions.create(model="", prompt="hi", max_tokens=32768)
+        oai.completions.create(model="", prompt=[5] * 8192, max_tokens=1)
 
 
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -336,10 +341,10 @@ def test_malformed_bodies_get_openai_errors(server):
         (comp, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         (comp, {"prompt": "hi", "seed": -1}, 400, "seed must be in"),
         (comp, {"prompt": "hi", "stop_token_ids": [600]}, 400, "stop_token_ids must be in"),
-        (comp, {"prompt": "hi", "max_tokens": 40000}, 400, "maximum context length"),
-        # larger than the 8192-token KV pool: the limit /v1/models reports, streaming or not
-        (comp, {"prompt": "hi", "max_tokens": 9000}, 400, "maximum context length is 8192"),
-        (comp, {"prompt": "hi", "max_tokens": 9000, "stream": True}, 400, "is 8192 tokens"),
+        # a prompt that leaves no room in the 8192-token KV pool: the limit /v1/models
+        # reports, streaming or not (a max_tokens beyond it is cut to fit)
+        (comp, {"prompt": [5] * 8192, "max_tokens": 1}, 400, "maximum context length is 8192"),
+        (comp, {"prompt": [5] * 8192, "stream": True}, 400, "is 8192 tokens"),
         (comp, {"prompt": "hi", "model": "no-such-model"}, 404, "does not exist"),
         (comp, {"prompt": "hi", "n": 0}, 400, "1 to 64 choices (prompts x n), not 0"),
         (chat, {"messages": []}, 400, "messages"),
@@ -443,9 +448,12 @@ def test_api_key_body_limit_and_context_length(tiny_model, tmp_path):
             err = r.json()["error"]
             assert err["code"] == "context_length_exceeded"
             assert "maximum context length is 64 tokens" in err["message"]
-            fits_prompt = {"prompt": list(range(3, 63)), "max_tokens": 10}
+            # A prompt that fits with a max_tokens that does not: cut to the 4 tokens left.
+            fits_prompt = {"prompt": list(range(3, 63)), "max_tokens": 10, "ignore_eos": True}
             r = http.post("/v1/completions", json=fits_prompt, headers=good)
-            assert r.status_code == 400 and "(60 in the prompt, 10 for the completion)" in r.text
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4
+            assert r.json()["choices"][0]["finish_reason"] == "length"
             assert http.get("/v1/models", headers=good).json()["data"][0]["max_model_len"] == 64
 
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as bad:
@@ -702,7 +710,10 @@ def test_health_and_models(server):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list"
     (card,) = models["data"]
-    assert card["id"] == server.model and card["max_model_len"] == 8192  # the pool, not 32768
+    # the default served name is the model directory's name, not its path
+    assert card["id"] == Path(server.model).name and card["max_model_len"] == 8192  # the pool
+    by_path = {"model": server.model, "prompt": "hi", "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=by_path).json()["model"] == card["id"]
     t0 = time.monotonic()
     for _ in range(20):
         assert httpx.get(server.url + "/health").status_code == 200

@@ -92,7 +92,7 @@ def test_bad_http_bodies_get_openai_errors(tiny_server):
         (b'{"prompt": "hi", "temperature": -1}', "temperature"),
         (b'{"prompt": [1, 2, 99999]}', "token ids"),
         (b'{"prompt": "hi", "model": "no-such-model"}', "does not exist"),
-        (b'{"prompt": "hi", "max_tokens": 40000}', "context length"),
+        (b'{"prompt": [%s5]}' % (b"5, " * 8191), "context length"),  # no room left in the pool
     ]
     for body, needle in cases:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})

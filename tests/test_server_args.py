@@ -214,6 +214,26 @@ def test_argparse_types_come_from_the_annotations():
     assert ServerArgs(model_path="m").allowed_origins is not ServerArgs("m").allowed_origins
 
 
+def test_served_model_names(capsys):
+    """Repeatable, the first reported; without one, the model directory's (or Hugging Face
+    id's) last part, never a path; --model-alias repeatable too."""
+    flags = "--model-path /models/Qwen3-0.6B-4bit/ --served-model-name a --served-model-name b "
+    flags += "--model-alias claude-* --model-alias gpt-?"
+    args = args_from_namespace(serve_parser().parse_args(flags.split()))
+    assert (args.served_model_names, args.model_name) == (["a", "b"], "a")
+    assert args.model_alias == ["claude-*", "gpt-?"]
+    assert ServerArgs(model_path="mlx-community/Qwen3-0.6B-4bit").model_name == "Qwen3-0.6B-4bit"
+    assert ServerArgs(model_path="/models/Qwen3-0.6B-4bit/").served_model_names == [
+        "Qwen3-0.6B-4bit"
+    ]
+    with pytest.raises(ValueError, match="--served-model-name needs a non-empty name"):
+        ServerArgs(model_path="m", served_model_name=[""]).validate()
+    for flag in ("--served-model-name", "--model-alias", "--strict-max-tokens"):
+        with pytest.raises(SystemExit):  # the router's flags: not a replica's
+            serve_parser("replica").parse_args(["--model-path", "m", flag, "x"])
+        capsys.readouterr()
+
+
 def test_parser_rejects_a_value_outside_the_choices(capsys):
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--model-path", "m", "--transport", "udp"])

@@ -140,13 +140,14 @@ def test_required_call_always_parses(oai):
 
 
 def test_reasoning_is_split(oai):
-    """Thinking is on by default (the template opens <think>); a regex forces thought, end
-    marker, answer."""
+    """Thinking asked for by reasoning_effort (the template opens <think>); a regex forces
+    thought, end marker, answer."""
     regex = "[a-z]{3,10}</think>[a-z]{2,6}"
-    out = chat(oai, messages=ASK, extra_body={"regex": regex}).choices[0].message
+    think = {"reasoning_effort": "medium", "extra_body": {"regex": regex}}
+    out = chat(oai, messages=ASK, **think).choices[0].message
     assert out.model_extra["reasoning_content"].isalpha()
     assert out.content.isalpha() and "think" not in out.content
-    stream = chat(oai, messages=ASK, extra_body={"regex": regex}, stream=True)
+    stream = chat(oai, messages=ASK, **think, stream=True)
     reasoning, content = "", ""
     for chunk in stream:
         delta = chunk.choices[0].delta
@@ -156,13 +157,15 @@ def test_reasoning_is_split(oai):
 
 
 def test_thinking_comes_before_a_json_answer_and_a_forced_call(oai):
-    """Thinking on (the default): the model thinks first, for at most half of max_tokens,
-    then the grammar holds the answer to the schema or to a call."""
+    """Thinking on: the model thinks first, for at most half of max_tokens, then the
+    grammar holds the answer to the schema or to a call."""
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
-    out = chat(oai, messages=ASK, response_format=fmt).choices[0].message
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    out = chat(oai, messages=ASK, response_format=fmt, extra_body=on).choices[0].message
     assert out.model_extra["reasoning_content"].strip()
     jsonschema.validate(json.loads(out.content), WEATHER)
-    out = chat(oai, messages=ASK, tools=TOOLS, tool_choice="required").choices[0].message
+    out = chat(oai, messages=ASK, tools=TOOLS, tool_choice="required", extra_body=on)
+    out = out.choices[0].message
     assert out.model_extra["reasoning_content"].strip()
     (call,) = out.tool_calls
     json.loads(call.function.arguments)
@@ -170,13 +173,21 @@ def test_thinking_comes_before_a_json_answer_and_a_forced_call(oai):
 
 def test_chat_template_kwargs_reach_the_template(oai):
     """enable_thinking false: the template closes the thinking block itself, so the output
-    is all content (the same regex's end marker is then plain content)."""
+    is all content (the same regex's end marker is then plain content). A request that
+    says nothing of thinking (no chat_template_kwargs, no reasoning_effort) gets none."""
     body = {"regex": "[a-z]{3,10}", "chat_template_kwargs": {"enable_thinking": False}}
     out = chat(oai, messages=ASK, extra_body=body)
     assert out.choices[0].message.content.isalpha()
     assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
-    thinking = chat(oai, messages=ASK, extra_body={"regex": "[a-z]{3,10}"})
+    on = {"regex": "[a-z]{3,10}", "chat_template_kwargs": {"enable_thinking": True}}
+    thinking = chat(oai, messages=ASK, extra_body=on)
     assert thinking.usage.prompt_tokens < out.usage.prompt_tokens  # "<think>\n" vs a closed block
+    regex = {"regex": "[a-z]{3,10}"}
+    unsaid = chat(oai, messages=ASK, extra_body=regex)
+    effortless = chat(oai, messages=ASK, reasoning_effort="none", extra_body=regex)
+    for off in (unsaid, effortless):
+        assert off.usage.prompt_tokens == out.usage.prompt_tokens
+        assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
 
 
 @pytest.mark.parametrize(
