@@ -178,10 +178,11 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path, ca
 @pytest.fixture(scope="module", params=["first-layer", "agreeing"])
 def draft_pair(request, tiny_model, one_layer_draft, tmp_path_factory):
     """(target, draft, least top accept len): the tiny model and its first layer (drafts
-    rarely accepted, rows drafting only now and then), or a target whose second layer
-    adds nothing and its first layer (every draft accepted)."""
+    rarely accepted, rows drafting only now and then: whether any is, within the test,
+    rests on the step-cost gate's timings of this machine, so None), or a target whose
+    second layer adds nothing and its first layer (every draft accepted)."""
     if request.param == "first-layer":
-        return tiny_model, one_layer_draft, 1.0
+        return tiny_model, one_layer_draft, None
     from common.tiny_model import build_draft_model, build_tiny_model
 
     out = tmp_path_factory.mktemp("agreeing")
@@ -236,7 +237,9 @@ def test_batched_draft_speculation_matches_mlx_lm(draft_server, draft_pair):
     log = draft_server.log()
     assert "Traceback" not in log and "two owners" not in log and "slots lost" not in log
     accept = [float(x) for x in re.findall(r"accept len: ([0-9.]+)", log)]
-    assert accept and max(accept) > least_accept, accept  # drafts accepted, not just sent
+    assert accept, log[-2000:]
+    if least_accept is not None:  # drafts accepted, not just sent
+        assert max(accept) > least_accept, accept
     assert scrape(draft_server.url)[PREFIX + "evicted_tokens_total"] > 0
 
 
