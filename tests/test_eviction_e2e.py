@@ -68,7 +68,7 @@ BAD = [
     ({"max_tokens": -3}, "max_tokens must be >= 1"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_k": -2}, "top_k must be"),
-    ({"max_tokens": 10**6}, "maximum context length"),
+    ({"prompt": [7] * 40000}, "maximum context length"),  # a max_tokens beyond is cut
 ]
 
 

@@ -28,8 +28,14 @@ def _start(model: str, tmp_path, timeout: float, group: bool = False) -> ServerP
     return server
 
 
+ACCESS_LINE = re.compile(r" router\] (GET|POST|HEAD|PUT|DELETE|OPTIONS) /")
+
+
 def _router_lines(server: ServerProcess) -> list[str]:
-    return [line for line in server.log().splitlines() if " router] " in line]
+    """The router's own lines, without the access log's (a request's line is written when
+    it ends, which may be after the shutdown's)."""
+    lines = server.log().splitlines()
+    return [line for line in lines if " router] " in line and not ACCESS_LINE.search(line)]
 
 
 class _Stream(threading.Thread):
