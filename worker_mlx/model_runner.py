@@ -42,18 +42,31 @@ class KVLocation:
     columns: range | None = None
 
 
+def verifies_drafts(batched: bool, layout) -> bool:
+    """Whether a runner can verify drafts. They are verified on the decode buffer, whose
+    holes the RoPE positions skip: a sliding window counts columns and a recurrent state
+    cannot drop a rejected token, so those models decode without speculation."""
+    return batched and not layout.recurrent and not any(layout.windows)
+
+
 class ModelRunner:
     """`batched=False` runs every request as its own batch of one with integer offsets, each
     decode step an extend of one token on the pool: the fallback for models whose attention
     cannot take per-row offset arrays. `pad_prefill=False` keeps decode batched but runs
     prefill rows of different lengths in separate passes: for recurrent layers that read
-    a right-padded row's state at the padding (mlx-lm's Mamba-2)."""
+    a right-padded row's state at the padding (mlx-lm's Mamba-2).
+
+    Every mode is chosen here, once: nothing assigns a runner's attribute from outside.
+    `pipeline_stage` (--pp-size): evaluate every forward pass whole and alone, so its sends
+    meet the next stage's receives (docs/architecture.md); `drafter`: the DraftModel of
+    --speculative-algorithm draft (the loader's); `memory`: the loader's MemoryReport,
+    what --max-memory allows and holds."""
 
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
-        pad_prefill: bool = True,
+        pad_prefill: bool = True, pipeline_stage: bool = False, drafter=None, memory=None,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -69,17 +82,10 @@ class ModelRunner:
         self.buffer: DecodeBuffer | None = None
         self.lookahead = Lookahead()
         self.grammars = grammars
-        # Drafts are verified on the decode buffer, whose holes the RoPE positions skip:
-        # a sliding window counts columns and a recurrent state cannot drop a rejected
-        # token, so those models decode without speculation.
-        layout = pool.layout
-        self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
-        # a pipeline stage (--pp-size) evaluates every forward pass whole and alone, so
-        # its sends meet the next stage's receives (docs/architecture.md)
-        self.pipeline_stage = False
-        self.drafter = None  # the DraftModel of --speculative-algorithm draft (the loader's)
-        self.guard = None  # the worker's memory.StepGuard (None: no check before a step)
-        self.memory = None  # the loader's MemoryReport: what --max-memory allows and holds
+        self.verifies_drafts = verifies_drafts(batched, pool.layout)
+        self.pipeline_stage = pipeline_stage
+        self.drafter = drafter
+        self.memory = memory
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
