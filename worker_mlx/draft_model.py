@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, ExtendBatch, ReleaseReq, SamplingParams
-from worker_mlx.verify import verify_step
 
 if TYPE_CHECKING:
     from worker_mlx.model_runner import ModelRunner
@@ -42,18 +41,10 @@ if TYPE_CHECKING:
 DRAFT_SAMPLING = SamplingParams(temperature=0.0)
 
 
-def draft_model_step(runner: ModelRunner, batch: DecodeBatch, states: list[ReqState]) -> dict:
-    """A step with drafting rows: `runner.drafter` proposes, the step verifies (a row
-    without draft slots gets a guess, reported, not verified). The StepOutput's fields."""
-    drafter = runner.drafter
-    proposed = drafter.propose(batch, [s.last_token for s in states])
-    drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
-    out = verify_step(runner, dataclasses.replace(batch, drafts=drafts), states)
-    drafter.commit(batch, out["accepted"])
-    return out | {"drafts": proposed}
-
-
 class DraftModel:
+    """The target runner's `drafter` (given at its construction): the target calls it,
+    it calls only its own runner (`runner`, the draft model's), never the target."""
+
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         # After a step without drafts whose descriptor said the same rows come next, the

@@ -8,6 +8,7 @@ the pool bounds, not trusted.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -17,7 +18,6 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.descriptor_checks import check_extend, check_slots
-from worker_mlx.draft_model import draft_model_step
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
@@ -218,13 +218,11 @@ class ModelRunner:
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         states = [self.reqs[rid] for rid in batch.rids]
+        if drafting:
+            return self._verify(batch, states)
         guesses = None
-        if worker_drafts and drafting:
-            return StepOutput(**draft_model_step(self, batch, states))
         if worker_drafts:  # the draft computes the step's tokens too, and guesses
             guesses = self.drafter.follow(batch, [s.last_token for s in states])
-        if drafting:
-            return StepOutput(**verify_step(self, batch, states))
         if ahead is not None:
             out = StepOutput(list(batch.rids), ahead)
             for s, tok in zip(states, ahead):
@@ -242,6 +240,27 @@ class ModelRunner:
             for s in states
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
+        return out
+
+    def _verify(self, batch: DecodeBatch, states: list[ReqState]) -> StepOutput:
+        """A step with drafts: the scheduler's, or with a drafter its proposals for the
+        rows with draft slots (a row without gets a guess, reported, not verified). Each
+        row keeps the slots of its input token and of the drafts it accepts."""
+        proposed = None
+        if self.drafter is not None:
+            proposed = self.drafter.propose(batch, [s.last_token for s in states])
+            drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
+            batch = dataclasses.replace(batch, drafts=drafts)
+        buffer = self.buffer_for(list(batch.rids), states)
+        self.flush()  # the step's columns are then the only unflushed ones
+        out = verify_step(buffer, self.decode_step, batch, states, self.grammars)
+        mx.async_eval(buffer.arrays(), self.pool.arrays())
+        kept = zip(states, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
+        for s, loc, locs, a in kept:
+            s.slots += [loc] + locs[:a]
+        if self.drafter is not None:
+            self.drafter.commit(batch, out.accepted)
+            out.drafts = proposed
         return out
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
