@@ -113,3 +113,21 @@ def test_no_import_circle_in_the_worker():
     assert "worker_mlx.model_runner" in graph and "worker_mlx.backends" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_only_the_ledger_changes_a_requests_slot_list():
+    """A request's slots are appended in one place, the KV ledger (kv_ledger.py)."""
+    found = []
+    for path, tree in _sources("worker_mlx"):
+        if path.name == "kv_ledger.py":
+            continue
+        for node in ast.walk(tree):
+            target = None
+            if isinstance(node, ast.AugAssign):
+                target = node.target
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in ("append", "extend", "insert"):
+                    target = node.func.value
+            if isinstance(target, ast.Attribute) and target.attr == "slots":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "slot lists changed outside the ledger: " + ", ".join(found)

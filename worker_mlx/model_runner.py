@@ -1,15 +1,15 @@
 """ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
 
-It owns the request states (`ReqState`, request_state.py: each request's slots, sampling
-state and last token), the decode buffer and the lookahead; the pool holds the rest.
-Where a request's KV is at any moment is `kv_location`. Descriptors are checked against
+It owns the request states (`ReqState`, request_state.py: each request's sampling state
+and last token), the KV ledger (kv_ledger.py: each request's slots), the decode buffer
+and the lookahead; the pool holds the rest. Where a request's KV is at any moment is
+`kv_location`. Descriptors are checked against
 the pool bounds, not trusted.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,7 @@ from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.descriptor_checks import check_extend, check_slots
 from worker_mlx.grammar import Grammars
+from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
@@ -28,18 +29,6 @@ from worker_mlx.request_state import ReqState, StepOutput, sample_and_record
 from worker_mlx.sampler import KeySource
 from worker_mlx.state_pool import StatePool
 from worker_mlx.verify import check_drafts, verify_step
-
-
-@dataclass
-class KVLocation:
-    """Where a request's KV is: `pool_slots` in the pool; `buffered_slots` (the newest
-    decode tokens, not yet flushed) only in the decode buffer's row `row`, whose
-    `columns` hold all of it."""
-
-    pool_slots: list[int]
-    buffered_slots: list[int]
-    row: int | None = None
-    columns: range | None = None
 
 
 def verifies_drafts(batched: bool, layout) -> bool:
@@ -77,6 +66,7 @@ class ModelRunner:
         self.prefill_step = prefill_step
         self.keys = KeySource(seed)
         self.reqs: dict[str, ReqState] = {}
+        self.ledger = KVLedger()  # each decoding request's slots
         self.body, self.head = split_lm_head(model)
         self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
         self.buffer: DecodeBuffer | None = None
@@ -89,12 +79,7 @@ class ModelRunner:
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
-        slots = self.reqs[rid].slots
-        place = self.buffer.columns(rid) if self.buffer is not None else None
-        if place is None:
-            return KVLocation(list(slots), [])
-        n = self.buffer.pending()
-        return KVLocation(slots[: len(slots) - n], slots[len(slots) - n :], *place)
+        return self.ledger.where(rid, self.buffer)
 
     # ------------------------------------------------------------ extend
 
@@ -136,7 +121,7 @@ class ModelRunner:
         # answer in descriptor order, whichever round each request finished in
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
-        return self._start_decoding(logits, [states[i] for i in perm])
+        return self._start_decoding(logits, [states[i] for i in perm], batch.reqs)
 
     def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
@@ -159,16 +144,21 @@ class ModelRunner:
             )  # fmt: skip
         self.buffer = buffer
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
-        slots = {s.rid: s.slots for s in states}
+        slots = {r.rid: r.prefix_slot_ids + r.out_cache_loc for r in reqs}
         buffer.flush(slots.__getitem__)  # in the pool now: another prompt may share this token
         self._snapshot(reqs)
-        return self._start_decoding(logits, states)
+        return self._start_decoding(logits, states, reqs)
 
-    def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
-        """Sample the extended requests' first tokens; from now on they decode."""
+    def _start_decoding(
+        self, logits: mx.array, states: list[ReqState], reqs: list[ExtendReq]
+    ) -> StepOutput:
+        """Sample the extended requests' first tokens; from now on they decode, their KV
+        at their `reqs`' prefix and new slots."""
         out = sample_and_record(logits, states, self._arrays(), self.grammars)
+        slots = {r.rid: r.prefix_slot_ids + r.out_cache_loc for r in reqs}
         for s in states:
             self.reqs[s.rid] = s
+            self.ledger.open(s.rid, slots[s.rid])
         return out
 
     def _pass(self, reqs: list[ExtendReq], forward) -> mx.array:
@@ -231,8 +221,8 @@ class ModelRunner:
             out = self._decode_batched(batch.rids, states)
         else:
             out = self._decode_solo(states, batch.out_cache_loc)
-        for s, loc in zip(states, batch.out_cache_loc):
-            s.slots.append(loc)
+        for rid, loc in zip(batch.rids, batch.out_cache_loc):
+            self.ledger.add(rid, [loc])
         if guesses is not None:
             out.drafts = [[g] for g in guesses.tolist()]
         can_look = self.batched and all(
@@ -255,9 +245,9 @@ class ModelRunner:
         self.flush()  # the step's columns are then the only unflushed ones
         out = verify_step(buffer, self.decode_step, batch, states, self.grammars)
         mx.async_eval(buffer.arrays(), self.pool.arrays())
-        kept = zip(states, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
-        for s, loc, locs, a in kept:
-            s.slots += [loc] + locs[:a]
+        kept = zip(batch.rids, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
+        for rid, loc, locs, a in kept:
+            self.ledger.add(rid, [loc] + locs[:a])
         if self.drafter is not None:
             self.drafter.commit(batch, out.accepted)
             out.drafts = proposed
@@ -274,7 +264,7 @@ class ModelRunner:
         buffer = self.buffer
         if buffer is None or not buffer.serves(rids):
             self.flush()
-            slots = [s.slots for s in states]
+            slots = [self.ledger.slots(rid) for rid in rids]
             homes = [s.state_slot for s in states]
             if buffer is None or not buffer.admit(rids, slots, homes):
                 buffer = self.buffer = DecodeBuffer(
@@ -287,7 +277,7 @@ class ModelRunner:
         parts = []
         for s, loc in zip(states, locs):
             step = ExtendReq(
-                s.rid, [s.last_token], s.slots, [loc], s.sampling,
+                s.rid, [s.last_token], self.ledger.slots(s.rid), [loc], s.sampling,
                 state_slot=s.state_slot, prefix_state=s.state_slot,
             )  # fmt: skip
             parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
@@ -339,10 +329,11 @@ class ModelRunner:
             # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
             alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
             if keep_buffer and alone and self.states is None and not buffer.hole_columns:
-                self.lookahead.keep(buffer, self.reqs[buffer.rids[0]].slots)
+                self.lookahead.keep(buffer, self.ledger.slots(buffer.rids[0]))
             buffer.drop({r.rid for r in release})
         for r in release:
             self.reqs.pop(r.rid, None)
+            self.ledger.drop(r.rid)
 
     def _final_snapshots(self, release: list[ReleaseReq]) -> None:
         """Finished requests' states (flushed just now) into the snapshots asked for."""
@@ -372,8 +363,5 @@ class ModelRunner:
     def flush(self, skip: set[str] = frozenset()) -> None:
         """Write every decode token that is only in the decode buffer into the pool."""
         if self.buffer is not None:
-            self.buffer.flush(self._slots, skip)
+            self.buffer.flush(self.ledger.slots, skip)
         mx.eval(self._arrays())
-
-    def _slots(self, rid: str) -> list[int]:
-        return self.reqs[rid].slots
