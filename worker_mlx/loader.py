@@ -59,11 +59,9 @@ def load_runner(
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     drafter = None
-    if draft is not None and verifies_drafts(batched, pool.layout):
+    if draft is not None:
         path = args.speculative_draft_model_path
-        drafter = _draft_model(path, pool.num_slots, vocab_size, step, compiled, *draft)
-    elif draft is not None:
-        logger.warning("this model cannot verify drafts: decoding without speculation")
+        drafter = _drafter(path, pool, batched, vocab_size, step, compiled, *draft)
     held = memory.report(total, figures, on_cpu)
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
@@ -110,14 +108,18 @@ def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:
     return model, _stored_as(path, layout, args.kv_cache_dtype)
 
 
-def _draft_model(
-    path: str, num_slots: int, vocab_size: int, step: int, compiled: bool, model,
-    layout: KVLayout,
-) -> DraftModel:  # fmt: skip
-    """The draft's runner over its own pool of the target's size (the same slot ids)."""
+def _drafter(
+    path: str, target_pool: MlxKVPool, batched: bool, vocab_size: int, step: int,
+    compiled: bool, model, layout: KVLayout,
+) -> DraftModel | None:  # fmt: skip
+    """The draft's runner over its own pool of the target's size (the same slot ids);
+    None if the target cannot verify drafts."""
+    if not verifies_drafts(batched, target_pool.layout):
+        logger.warning("this model cannot verify drafts: decoding without speculation")
+        return None
     if not batched_path_works(model, layout, vocab_size, compiled, step):
         _refuse(path, "a draft model must run batched with per-row offsets")
-    pool = MlxKVPool(layout, num_slots)
+    pool = MlxKVPool(layout, target_pool.num_slots)
     draft = ModelRunner(
         model, pool, vocab_size, batched=True, prefill_step=step, compile_decode=compiled
     )

@@ -3,8 +3,7 @@
 It owns the request states (`ReqState`, request_state.py: each request's sampling state
 and last token), the KV ledger (kv_ledger.py: each request's slots), the decode buffer
 and the lookahead; the pool holds the rest. Where a request's KV is at any moment is
-`kv_location`. Descriptors are checked against
-the pool bounds, not trusted.
+`kv_location`. Descriptors are checked against the pool bounds, not trusted.
 """
 
 from __future__ import annotations
@@ -155,10 +154,10 @@ class ModelRunner:
         """Sample the extended requests' first tokens; from now on they decode, their KV
         at their `reqs`' prefix and new slots."""
         out = sample_and_record(logits, states, self._arrays(), self.grammars)
-        slots = {r.rid: r.prefix_slot_ids + r.out_cache_loc for r in reqs}
+        req = {r.rid: r for r in reqs}
         for s in states:
             self.reqs[s.rid] = s
-            self.ledger.open(s.rid, slots[s.rid])
+            self.ledger.open(s.rid, req[s.rid].prefix_slot_ids + req[s.rid].out_cache_loc)
         return out
 
     def _pass(self, reqs: list[ExtendReq], forward) -> mx.array:
