@@ -194,9 +194,8 @@ def _benchmark(model, layout, args: argparse.Namespace, backend: Backend) -> lis
         pool = MlxKVPool(dataclasses.replace(layout, kv_cache_dtype=kv_dtype), need)
         runner = ModelRunner(
             model, pool, model.args.vocab_size, prefill_step=backend.prefill_step,
-            compile_decode=backend.compile_decode,
+            compile_decode=backend.compile_decode, pipeline_stage=args.pp_size > 1,
         )  # fmt: skip
-        runner.pipeline_stage = args.pp_size > 1
         slots = SlotList(need)
         setups[kv_dtype] = runner, slots, _cached_prefix(runner, slots, args)
     prompts = {bs: _prompts(bs, args) for bs in args.batch_size}

@@ -39,18 +39,16 @@ GREEDY = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
 
 def _runner(model, vocab: int, slots: int, draft=None) -> ModelRunner:
     backend = select()
-    runner = ModelRunner(
-        model, MlxKVPool(probe_kv_layout(model), slots), vocab,
-        prefill_step=backend.prefill_step, compile_decode=backend.compile_decode,
-    )  # fmt: skip
+    drafter = None
     if draft is not None:
         from worker_mlx.draft_model import DraftModel
 
         pool = MlxKVPool(probe_kv_layout(draft), slots)
-        runner.drafter = DraftModel(
-            ModelRunner(draft, pool, vocab, compile_decode=backend.compile_decode)
-        )
-    return runner
+        drafter = DraftModel(ModelRunner(draft, pool, vocab, compile_decode=backend.compile_decode))
+    return ModelRunner(
+        model, MlxKVPool(probe_kv_layout(model), slots), vocab,
+        prefill_step=backend.prefill_step, compile_decode=backend.compile_decode, drafter=drafter,
+    )  # fmt: skip
 
 
 def _start(runner: ModelRunner, slots: SlotList, prompts: list[list[int]]) -> dict:

@@ -16,7 +16,7 @@ import pytest
 from common.grammar_spec import GrammarError, check
 from common.messages import ReleaseReq, SamplingParams
 from tests.conftest import load_model
-from tests.test_model_runner import Harness, reference
+from tests.test_model_runner import Harness, reference, vocab_size
 
 CLOSED = {"additionalProperties": False}  # else a random model adds keys forever
 S = {"type": "string", "maxLength": 8}
@@ -68,10 +68,9 @@ def constrained(kind: str, source: str, n: int = 96) -> SamplingParams:
 def grammar_harness(path: str) -> Harness:
     from worker_mlx.grammar import Grammars
 
-    h = Harness(path)
     tokenizer = load_model(path)[1]
     eos = sorted(tokenizer.eos_token_ids)
-    h.runner.grammars = Grammars(tokenizer._tokenizer, h.vocab, eos)
+    h = Harness(path, grammars=Grammars(tokenizer._tokenizer, vocab_size(path), eos))
     h.eos, h.tokenizer = set(eos), tokenizer
     return h
 

@@ -26,17 +26,22 @@ STEPS = 16
 class HybridHarness(Harness):
     """The runner with a state pool; state slots handed out like KV slots."""
 
-    def __init__(self, path: str, compile_decode: bool = True, num_states: int = 64):
+    def __init__(
+        self, path: str, compile_decode: bool = True, num_states: int = 64, **modes
+    ):  # fmt: skip
+        self.num_states = num_states
+        super().__init__(path, compile_decode=compile_decode, **modes)
+        self.free_states = list(range(num_states, 0, -1))
+        self.state_of: dict[str, int] = {}
+
+    def runner_modes(self, model) -> dict:
         from worker_mlx.model_probe import probe_layout
         from worker_mlx.state_pool import StatePool
 
-        super().__init__(path, compile_decode=compile_decode)
-        kv, layout = probe_layout(self.model)
-        self.runner.states = StatePool(layout, num_states)
+        _, layout = probe_layout(model)
         # as the loader decides: right-padded prefill rows only where the self-check holds
-        self.runner.pad_prefill = padding_works(path)
-        self.free_states = list(range(num_states, 0, -1))
-        self.state_of: dict[str, int] = {}
+        states = StatePool(layout, self.num_states)
+        return {"states": states, "pad_prefill": padding_works(self.path)}
 
     def new_state(self) -> int:
         return self.free_states.pop()
@@ -124,8 +129,7 @@ def test_chunked_prefill_with_snapshots_at_the_boundaries(hybrid, prefill_step):
     """Scheduler chunks of 30 continue from the request's own working state; each chunk
     snapshots its end (mid-piece when the worker cuts at 16), and a second request
     starting from the second boundary's snapshot matches mlx-lm."""
-    h = HybridHarness(hybrid)
-    h.runner.prefill_step = prefill_step
+    h = HybridHarness(hybrid, prefill_step=prefill_step)
     rng = random.Random(43)
     prompt = random_prompt(rng, 100, h.vocab)
     other = random_prompt(rng, 40, h.vocab)

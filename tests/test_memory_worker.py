@@ -57,19 +57,19 @@ def test_a_step_the_guard_refuses_is_a_503_and_the_runner_goes_on(tiny_model):
     runner, figures = _runner(tiny_model)
     prompt = [(11 * i + 5) % 400 + 3 for i in range(600)]
     req = ExtendReq("r", prompt, [], list(range(1, 601)), GREEDY)
-    runner.guard = _guard(figures, 1 << 20)  # 1 MiB: a 600-token prefill needs more
-    reply = execute(runner, ExtendBatch(1, [req]))
+    guard = _guard(figures, 1 << 20)  # 1 MiB: a 600-token prefill needs more
+    reply = execute(runner, ExtendBatch(1, [req]), guard=guard)
     assert isinstance(reply, WorkerError) and reply.out_of_memory
     assert reply.step == 1 and reply.message.startswith("out of memory computing this step")
     assert "--max-memory" in reply.message
     assert "r" not in runner.reqs and runner.buffer is None
     # room again: the same request runs, exactly as mlx-lm generates it
-    runner.guard = _guard(figures, 1 << 30)
-    out = execute(runner, ExtendBatch(2, [dataclasses.replace(req)]))
+    guard = _guard(figures, 1 << 30)
+    out = execute(runner, ExtendBatch(2, [dataclasses.replace(req)]), guard=guard)
     assert isinstance(out, StepResult)
     tokens = list(out.next_token_ids)
     for step in range(3, 8):
-        out = execute(runner, DecodeBatch(step, ["r"], [600 + step]))
+        out = execute(runner, DecodeBatch(step, ["r"], [600 + step]), guard=guard)
         tokens += out.next_token_ids
     assert tokens == mlx_greedy(tiny_model, prompt, 6)
 
@@ -78,21 +78,22 @@ def test_a_decode_step_refused_leaves_the_others_requests_servable(tiny_model):
     """A decode step refused for memory: its rows' buffer is dropped (flushed first), the
     scheduler releases them, and a new request is served exactly."""
     runner, figures = _runner(tiny_model)
-    runner.guard = _guard(figures, 1 << 30)
+    guard = _guard(figures, 1 << 30)
     prompt = [(7 * i + 3) % 400 + 3 for i in range(300)]
-    execute(runner, ExtendBatch(1, [ExtendReq("a", prompt, [], list(range(1, 301)), GREEDY)]))
-    execute(runner, DecodeBatch(2, ["a"], [301]))
-    runner.guard = _guard(figures, 0)  # nothing left: the decode step is refused
-    reply = execute(runner, DecodeBatch(3, ["a"], [302]))
+    first = ExtendReq("a", prompt, [], list(range(1, 301)), GREEDY)
+    execute(runner, ExtendBatch(1, [first]), guard=guard)
+    execute(runner, DecodeBatch(2, ["a"], [301]), guard=guard)
+    guard = _guard(figures, 0)  # nothing left: the decode step is refused
+    reply = execute(runner, DecodeBatch(3, ["a"], [302]), guard=guard)
     assert isinstance(reply, WorkerError) and reply.out_of_memory
     assert runner.buffer is None
     runner.release([ReleaseReq("a", flush=False)])  # what the scheduler sends next
-    runner.guard = _guard(figures, 1 << 30)
+    guard = _guard(figures, 1 << 30)
     other = [(5 * i + 1) % 400 + 3 for i in range(40)]
-    out = execute(
-        runner, ExtendBatch(4, [ExtendReq("b", other, [], list(range(400, 440)), GREEDY)])
-    )
+    second = ExtendReq("b", other, [], list(range(400, 440)), GREEDY)
+    out = execute(runner, ExtendBatch(4, [second]), guard=guard)
     tokens = list(out.next_token_ids)
     for step in range(5, 10):
-        tokens += execute(runner, DecodeBatch(step, ["b"], [440 + step])).next_token_ids
+        step_out = execute(runner, DecodeBatch(step, ["b"], [440 + step]), guard=guard)
+        tokens += step_out.next_token_ids
     assert tokens == mlx_greedy(tiny_model, other, 6)

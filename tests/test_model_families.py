@@ -104,8 +104,7 @@ def test_exact_repeat_and_turns_with_generated_tokens(family):
 def test_chunked_prefill_across_windows(family, prefill_step):
     """A 100-token prompt in scheduler chunks of 24 while another request decodes between
     them; with a 16-token prefill step each chunk is cut again inside the worker."""
-    h = Harness(family)
-    h.runner.prefill_step = prefill_step
+    h = Harness(family, prefill_step=prefill_step)
     rng = random.Random(24)
     prompt, other = random_prompt(rng, 100, h.vocab), random_prompt(rng, LONG, h.vocab)
     h.extend([h.ereq("other", other)])

@@ -85,8 +85,10 @@ class Harness:
 
     def __init__(
         self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", **modes,
     ):  # fmt: skip
+        """`modes`: the runner's other constructor arguments (pipeline_stage, drafter,
+        grammars, prefill_step, ...), chosen once as the loader chooses them."""
         from worker_mlx.kv_pool import MlxKVPool
         from worker_mlx.model_probe import probe_kv_layout
         from worker_mlx.model_runner import ModelRunner
@@ -98,8 +100,9 @@ class Harness:
         layout = dataclasses.replace(probe_kv_layout(model), kv_cache_dtype=kv_cache_dtype)
         self.pool = MlxKVPool(layout, num_slots)
         self.runner = ModelRunner(
-            model, self.pool, self.vocab, seed=seed, compile_decode=compile_decode
-        )
+            model, self.pool, self.vocab, seed=seed, compile_decode=compile_decode,
+            **self.runner_modes(model), **modes,
+        )  # fmt: skip
         self.alloc = SlotAllocator(num_slots)
         self.slots: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -108,6 +111,10 @@ class Harness:
         self.top: dict[str, list[list]] = {}
         self.running: list[str] = []
         self.step = 0
+
+    def runner_modes(self, model) -> dict:
+        """Constructor arguments a subclass derives from the loaded model."""
+        return {}
 
     def prefix(self, rid: str, n: int | None = None) -> tuple[list[int], list[int]]:
         """(slots, tokens) of the first `n` (default all) KV positions of `rid`."""
@@ -868,7 +875,11 @@ def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
     assert not isinstance(object(), LayerCache)
 
 
-def test_a_failed_one_token_extend_leaves_no_request_behind(tiny_model):
+def _failing_step(*args, **kwargs):
+    raise RuntimeError("step failed")
+
+
+def test_a_failed_one_token_extend_leaves_no_request_behind(tiny_model, monkeypatch):
     """A one-token extend (a repeated prompt) whose step raises registers nothing: the
     same request extended again works and matches mlx-lm."""
     h = Harness(tiny_model)
@@ -876,12 +887,13 @@ def test_a_failed_one_token_extend_leaves_no_request_behind(tiny_model):
     prompt = random_prompt(rng, 20, h.vocab)
     assert generate(h, {"A": prompt}, 3)["A"] == reference(h.path, prompt, 3)
     req = h.ereq("A2", prompt[-1:], prefix=h.prefix("A", len(prompt) - 1))
-    step = h.runner.decode_step
-    h.runner.decode_step = None  # the step cannot run
-    with pytest.raises(TypeError):
-        h.runner.extend(ExtendBatch(99, [req]))
+    from worker_mlx.decode_buffer import DecodeBuffer
+
+    with monkeypatch.context() as patched:
+        patched.setattr(DecodeBuffer, "step", _failing_step)  # the step cannot run
+        with pytest.raises(RuntimeError, match="step failed"):
+            h.runner.extend(ExtendBatch(99, [req]))
     assert "A2" not in h.runner.reqs
-    h.runner.decode_step = step
     h.extend([req])
     for _ in range(DECODE_STEPS - 1):
         h.decode()

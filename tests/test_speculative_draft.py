@@ -23,7 +23,14 @@ import pytest
 from common.messages import DecodeBatch, ReleaseReq, SamplingParams
 from tests.conftest import load_model, mlx_greedy
 from tests.test_metrics import PREFIX, scrape
-from tests.test_model_runner import Harness, greedy, random_prompt, reference, vocab_size
+from tests.test_model_runner import (
+    N_SLOTS,
+    Harness,
+    greedy,
+    random_prompt,
+    reference,
+    vocab_size,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +58,10 @@ def harness_with_draft(target: str, draft: str, seed: int = 0) -> tuple[Harness,
     from worker_mlx.model_probe import probe_kv_layout
     from worker_mlx.model_runner import ModelRunner
 
-    h = Harness(target, seed=seed)
     model, _ = load_model(draft)
-    pool = MlxKVPool(probe_kv_layout(model), h.pool.num_slots)
-    h.runner.drafter = DraftModel(ModelRunner(model, pool, h.vocab, compile_decode=True))
+    pool = MlxKVPool(probe_kv_layout(model), N_SLOTS)
+    drafter = DraftModel(ModelRunner(model, pool, vocab_size(target), compile_decode=True))
+    h = Harness(target, seed=seed, drafter=drafter)
     return h, DraftView(h, model, pool)
 
 

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, ExtendBatch, ReleaseReq, SamplingParams
-from worker_mlx.verify import verify_step
 
 if TYPE_CHECKING:
     from worker_mlx.model_runner import ModelRunner
@@ -42,18 +41,10 @@ if TYPE_CHECKING:
 DRAFT_SAMPLING = SamplingParams(temperature=0.0)
 
 
-def draft_model_step(runner: ModelRunner, batch: DecodeBatch, states: list[ReqState]) -> dict:
-    """A step with drafting rows: `runner.drafter` proposes, the step verifies (a row
-    without draft slots gets a guess, reported, not verified). The StepOutput's fields."""
-    drafter = runner.drafter
-    proposed = drafter.propose(batch, [s.last_token for s in states])
-    drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
-    out = verify_step(runner, dataclasses.replace(batch, drafts=drafts), states)
-    drafter.commit(batch, out["accepted"])
-    return out | {"drafts": proposed}
-
-
 class DraftModel:
+    """The target runner's `drafter` (given at its construction): the target calls it,
+    it calls only its own runner (`runner`, the draft model's), never the target."""
+
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         # After a step without drafts whose descriptor said the same rows come next, the
@@ -101,7 +92,7 @@ class DraftModel:
             _, buffer = self._buffer(batch.rids)
             guesses = self._step(buffer, batch.rids, tokens)
         for rid, loc in zip(batch.rids, batch.out_cache_loc):
-            self.runner.reqs[rid].slots.append(loc)
+            self.runner.ledger.add(rid, [loc])
         self.next_rids = list(batch.rids) if batch.lookahead else None
         return guesses
 
@@ -118,7 +109,7 @@ class DraftModel:
         K + 1 columns) goes to the draft pool."""
         runner = self.runner
         self._take_back()
-        states, buffer = self._buffer(batch.rids)
+        _, buffer = self._buffer(batch.rids)
         runner.flush()  # the step's columns are then the only unflushed ones
         k = max(len(locs) for locs in batch.draft_cache_loc)
         step = self._by_row(buffer.rids, batch.rids, tokens)
@@ -134,19 +125,18 @@ class DraftModel:
         }
         buffer.flush(slots.__getitem__)
         mx.async_eval(buffer.arrays(), runner.pool.arrays())
-        for s, loc in zip(states, batch.out_cache_loc):
-            s.slots.append(loc)
+        for rid, loc in zip(batch.rids, batch.out_cache_loc):
+            runner.ledger.add(rid, [loc])
         return [row[: len(locs) or 1] for row, locs in zip(table, batch.draft_cache_loc)]
 
     def commit(self, batch: DecodeBatch, accepted: list[int]) -> None:
         """After the target's verify: the draft keeps the columns of the accepted drafts."""
-        states = [self.runner.reqs[rid] for rid in batch.rids]
         buffer = self.runner.buffer  # propose's: its last k + 1 columns are this step's
         k = max(len(locs) for locs in batch.draft_cache_loc)
         kept = dict(zip(batch.rids, accepted))
         buffer.reject([k - kept[rid] if rid in kept else 0 for rid in buffer.rids])
-        for s, locs, a in zip(states, batch.draft_cache_loc, accepted):
-            s.slots += locs[:a]
+        for rid, locs, a in zip(batch.rids, batch.draft_cache_loc, accepted):
+            self.runner.ledger.add(rid, locs[:a])
 
     def _buffer(self, rids: list[str]):
         states: list[ReqState] = [self.runner.reqs[rid] for rid in rids]

@@ -22,14 +22,23 @@ from.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from worker_mlx.kv_codec import decode_kv, encode_kv
 
-if TYPE_CHECKING:
-    from worker_mlx.prefill import ExtendPlan
+
+class PassPlan(Protocol):
+    """What an extend pass's layer caches read of its plan (prefill.ExtendPlan, which
+    imports this module: the plan builds the caches, the caches only read it)."""
+
+    pool: Any  # the MlxKVPool the pass writes and reads
+    offset: int | mx.array
+    write_idx: mx.array
+    read_idx: mx.array | None
+
+    def mask(self, window: int | None): ...
 
 
 @runtime_checkable
@@ -71,7 +80,7 @@ class ProbeCache:
 class ExtendCache:
     """One layer of an `ExtendPlan`: rows of new tokens after prefixes held in the pool."""
 
-    def __init__(self, plan: ExtendPlan, layer: int):
+    def __init__(self, plan: PassPlan, layer: int):
         self.plan = plan
         self.layer = layer
         self.offset = plan.offset

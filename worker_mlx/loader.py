@@ -19,7 +19,7 @@ from worker_mlx.grammar import Grammars
 from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
 from worker_mlx.model_probe import UnsupportedModel, probe_layout
-from worker_mlx.model_runner import ModelRunner
+from worker_mlx.model_runner import ModelRunner, verifies_drafts
 from worker_mlx.self_check import batched_path_works, choose_batching
 from worker_mlx.state_pool import StateLayout, StatePool, state_slots
 
@@ -58,14 +58,16 @@ def load_runner(
     stage = rank is not None and rank.spec.pp > 1
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
+    drafter = None
+    if draft is not None:
+        path = args.speculative_draft_model_path
+        drafter = _drafter(path, pool, batched, vocab_size, step, compiled, *draft)
+    held = memory.report(total, figures, on_cpu)
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
-        grammars=grammars, states=states, pad_prefill=pad,
+        grammars=grammars, states=states, pad_prefill=pad, pipeline_stage=stage,
+        drafter=drafter, memory=held,
     )  # fmt: skip
-    runner.pipeline_stage = stage
-    if draft is not None:
-        _attach_draft(args.speculative_draft_model_path, runner, *draft)
-    held = runner.memory = memory.report(total, figures, on_cpu)
     ready = WorkerReady(
         num_slots=pool.num_slots,
         model_type=model_type,
@@ -106,19 +108,22 @@ def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:
     return model, _stored_as(path, layout, args.kv_cache_dtype)
 
 
-def _attach_draft(path: str, runner: ModelRunner, model, layout: KVLayout) -> None:
-    """The draft's runner over its own pool of the target's size (the same slot ids)."""
-    if not runner.verifies_drafts:
+def _drafter(
+    path: str, target_pool: MlxKVPool, batched: bool, vocab_size: int, step: int,
+    compiled: bool, model, layout: KVLayout,
+) -> DraftModel | None:  # fmt: skip
+    """The draft's runner over its own pool of the target's size (the same slot ids);
+    None if the target cannot verify drafts."""
+    if not verifies_drafts(batched, target_pool.layout):
         logger.warning("this model cannot verify drafts: decoding without speculation")
-        return
-    compiled, step = runner.decode_step.compiles, runner.prefill_step
-    if not batched_path_works(model, layout, runner.vocab_size, compiled, step):
+        return None
+    if not batched_path_works(model, layout, vocab_size, compiled, step):
         _refuse(path, "a draft model must run batched with per-row offsets")
-    pool = MlxKVPool(layout, runner.pool.num_slots)
+    pool = MlxKVPool(layout, target_pool.num_slots)
     draft = ModelRunner(
-        model, pool, runner.vocab_size, batched=True, prefill_step=step, compile_decode=compiled
+        model, pool, vocab_size, batched=True, prefill_step=step, compile_decode=compiled
     )
-    runner.drafter = DraftModel(draft)
+    return DraftModel(draft)
 
 
 def _make_pools(

@@ -1,14 +1,14 @@
 """ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
 
-It owns the request states (`ReqState`, request_state.py: each request's slots, sampling
-state and last token), the decode buffer and the lookahead; the pool holds the rest.
-Where a request's KV is at any moment is `kv_location`. Descriptors are checked against
-the pool bounds, not trusted.
+It owns the request states (`ReqState`, request_state.py: each request's sampling state
+and last token), the KV ledger (kv_ledger.py: each request's slots), the decode buffer
+and the lookahead; the pool holds the rest. Where a request's KV is at any moment is
+`kv_location`. Descriptors are checked against the pool bounds, not trusted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,8 +17,8 @@ from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.descriptor_checks import check_extend, check_slots
-from worker_mlx.draft_model import draft_model_step
 from worker_mlx.grammar import Grammars
+from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
@@ -30,16 +30,11 @@ from worker_mlx.state_pool import StatePool
 from worker_mlx.verify import check_drafts, verify_step
 
 
-@dataclass
-class KVLocation:
-    """Where a request's KV is: `pool_slots` in the pool; `buffered_slots` (the newest
-    decode tokens, not yet flushed) only in the decode buffer's row `row`, whose
-    `columns` hold all of it."""
-
-    pool_slots: list[int]
-    buffered_slots: list[int]
-    row: int | None = None
-    columns: range | None = None
+def verifies_drafts(batched: bool, layout) -> bool:
+    """Whether a runner can verify drafts. They are verified on the decode buffer, whose
+    holes the RoPE positions skip: a sliding window counts columns and a recurrent state
+    cannot drop a rejected token, so those models decode without speculation."""
+    return batched and not layout.recurrent and not any(layout.windows)
 
 
 class ModelRunner:
@@ -47,13 +42,19 @@ class ModelRunner:
     decode step an extend of one token on the pool: the fallback for models whose attention
     cannot take per-row offset arrays. `pad_prefill=False` keeps decode batched but runs
     prefill rows of different lengths in separate passes: for recurrent layers that read
-    a right-padded row's state at the padding (mlx-lm's Mamba-2)."""
+    a right-padded row's state at the padding (mlx-lm's Mamba-2).
+
+    Every mode is chosen here, once: nothing assigns a runner's attribute from outside.
+    `pipeline_stage` (--pp-size): evaluate every forward pass whole and alone, so its sends
+    meet the next stage's receives (docs/architecture.md); `drafter`: the DraftModel of
+    --speculative-algorithm draft (the loader's); `memory`: the loader's MemoryReport,
+    what --max-memory allows and holds."""
 
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
-        pad_prefill: bool = True,
+        pad_prefill: bool = True, pipeline_stage: bool = False, drafter=None, memory=None,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -64,31 +65,20 @@ class ModelRunner:
         self.prefill_step = prefill_step
         self.keys = KeySource(seed)
         self.reqs: dict[str, ReqState] = {}
+        self.ledger = KVLedger()  # each decoding request's slots
         self.body, self.head = split_lm_head(model)
         self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
         self.buffer: DecodeBuffer | None = None
         self.lookahead = Lookahead()
         self.grammars = grammars
-        # Drafts are verified on the decode buffer, whose holes the RoPE positions skip:
-        # a sliding window counts columns and a recurrent state cannot drop a rejected
-        # token, so those models decode without speculation.
-        layout = pool.layout
-        self.verifies_drafts = batched and not layout.recurrent and not any(layout.windows)
-        # a pipeline stage (--pp-size) evaluates every forward pass whole and alone, so
-        # its sends meet the next stage's receives (docs/architecture.md)
-        self.pipeline_stage = False
-        self.drafter = None  # the DraftModel of --speculative-algorithm draft (the loader's)
-        self.guard = None  # the worker's memory.StepGuard (None: no check before a step)
-        self.memory = None  # the loader's MemoryReport: what --max-memory allows and holds
+        self.verifies_drafts = verifies_drafts(batched, pool.layout)
+        self.pipeline_stage = pipeline_stage
+        self.drafter = drafter
+        self.memory = memory
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
-        slots = self.reqs[rid].slots
-        place = self.buffer.columns(rid) if self.buffer is not None else None
-        if place is None:
-            return KVLocation(list(slots), [])
-        n = self.buffer.pending()
-        return KVLocation(slots[: len(slots) - n], slots[len(slots) - n :], *place)
+        return self.ledger.where(rid, self.buffer)
 
     # ------------------------------------------------------------ extend
 
@@ -130,7 +120,7 @@ class ModelRunner:
         # answer in descriptor order, whichever round each request finished in
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
-        return self._start_decoding(logits, [states[i] for i in perm])
+        return self._start_decoding(logits, [states[i] for i in perm], batch.reqs)
 
     def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
@@ -153,16 +143,21 @@ class ModelRunner:
             )  # fmt: skip
         self.buffer = buffer
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
-        slots = {s.rid: s.slots for s in states}
+        slots = {r.rid: r.prefix_slot_ids + r.out_cache_loc for r in reqs}
         buffer.flush(slots.__getitem__)  # in the pool now: another prompt may share this token
         self._snapshot(reqs)
-        return self._start_decoding(logits, states)
+        return self._start_decoding(logits, states, reqs)
 
-    def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
-        """Sample the extended requests' first tokens; from now on they decode."""
+    def _start_decoding(
+        self, logits: mx.array, states: list[ReqState], reqs: list[ExtendReq]
+    ) -> StepOutput:
+        """Sample the extended requests' first tokens; from now on they decode, their KV
+        at their `reqs`' prefix and new slots."""
         out = sample_and_record(logits, states, self._arrays(), self.grammars)
+        req = {r.rid: r for r in reqs}
         for s in states:
             self.reqs[s.rid] = s
+            self.ledger.open(s.rid, req[s.rid].prefix_slot_ids + req[s.rid].out_cache_loc)
         return out
 
     def _pass(self, reqs: list[ExtendReq], forward) -> mx.array:
@@ -212,13 +207,11 @@ class ModelRunner:
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
         states = [self.reqs[rid] for rid in batch.rids]
+        if drafting:
+            return self._verify(batch, states)
         guesses = None
-        if worker_drafts and drafting:
-            return StepOutput(**draft_model_step(self, batch, states))
         if worker_drafts:  # the draft computes the step's tokens too, and guesses
             guesses = self.drafter.follow(batch, [s.last_token for s in states])
-        if drafting:
-            return StepOutput(**verify_step(self, batch, states))
         if ahead is not None:
             out = StepOutput(list(batch.rids), ahead)
             for s, tok in zip(states, ahead):
@@ -227,8 +220,8 @@ class ModelRunner:
             out = self._decode_batched(batch.rids, states)
         else:
             out = self._decode_solo(states, batch.out_cache_loc)
-        for s, loc in zip(states, batch.out_cache_loc):
-            s.slots.append(loc)
+        for rid, loc in zip(batch.rids, batch.out_cache_loc):
+            self.ledger.add(rid, [loc])
         if guesses is not None:
             out.drafts = [[g] for g in guesses.tolist()]
         can_look = self.batched and all(
@@ -236,6 +229,27 @@ class ModelRunner:
             for s in states
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
+        return out
+
+    def _verify(self, batch: DecodeBatch, states: list[ReqState]) -> StepOutput:
+        """A step with drafts: the scheduler's, or with a drafter its proposals for the
+        rows with draft slots (a row without gets a guess, reported, not verified). Each
+        row keeps the slots of its input token and of the drafts it accepts."""
+        proposed = None
+        if self.drafter is not None:
+            proposed = self.drafter.propose(batch, [s.last_token for s in states])
+            drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
+            batch = dataclasses.replace(batch, drafts=drafts)
+        buffer = self.buffer_for(list(batch.rids), states)
+        self.flush()  # the step's columns are then the only unflushed ones
+        out = verify_step(buffer, self.decode_step, batch, states, self.grammars)
+        mx.async_eval(buffer.arrays(), self.pool.arrays())
+        kept = zip(batch.rids, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
+        for rid, loc, locs, a in kept:
+            self.ledger.add(rid, [loc] + locs[:a])
+        if self.drafter is not None:
+            self.drafter.commit(batch, out.accepted)
+            out.drafts = proposed
         return out
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
@@ -249,7 +263,7 @@ class ModelRunner:
         buffer = self.buffer
         if buffer is None or not buffer.serves(rids):
             self.flush()
-            slots = [s.slots for s in states]
+            slots = [self.ledger.slots(rid) for rid in rids]
             homes = [s.state_slot for s in states]
             if buffer is None or not buffer.admit(rids, slots, homes):
                 buffer = self.buffer = DecodeBuffer(
@@ -262,7 +276,7 @@ class ModelRunner:
         parts = []
         for s, loc in zip(states, locs):
             step = ExtendReq(
-                s.rid, [s.last_token], s.slots, [loc], s.sampling,
+                s.rid, [s.last_token], self.ledger.slots(s.rid), [loc], s.sampling,
                 state_slot=s.state_slot, prefix_state=s.state_slot,
             )  # fmt: skip
             parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
@@ -314,10 +328,11 @@ class ModelRunner:
             # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
             alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
             if keep_buffer and alone and self.states is None and not buffer.hole_columns:
-                self.lookahead.keep(buffer, self.reqs[buffer.rids[0]].slots)
+                self.lookahead.keep(buffer, self.ledger.slots(buffer.rids[0]))
             buffer.drop({r.rid for r in release})
         for r in release:
             self.reqs.pop(r.rid, None)
+            self.ledger.drop(r.rid)
 
     def _final_snapshots(self, release: list[ReleaseReq]) -> None:
         """Finished requests' states (flushed just now) into the snapshots asked for."""
@@ -347,8 +362,5 @@ class ModelRunner:
     def flush(self, skip: set[str] = frozenset()) -> None:
         """Write every decode token that is only in the decode buffer into the pool."""
         if self.buffer is not None:
-            self.buffer.flush(self._slots, skip)
+            self.buffer.flush(self.ledger.slots, skip)
         mx.eval(self._arrays())
-
-    def _slots(self, rid: str) -> list[int]:
-        return self.reqs[rid].slots

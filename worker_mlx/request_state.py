@@ -1,6 +1,6 @@
 """A request's state in the worker and the sampling that advances it each step.
 
-From its last prefill chunk to its release a request has a `ReqState`: its slots, its
+From its last prefill chunk to its release a request has a `ReqState`: its
 sampling state (PRNG key, penalties, grammar matcher) and its last token. Each step
 samples one token per row from the logits with that state (`sample_and_record`) and
 records the token in it; a verify step takes the rows' keys (`step_keys`) for its own
@@ -20,8 +20,7 @@ from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sa
 
 @dataclass
 class ReqState:
-    rid: str
-    slots: list[int]  # every slot of its KV, the last `buffer.pending()` possibly unflushed
+    rid: str  # (its KV slots are the runner's KVLedger's)
     sampling: SamplingParams
     last_token: int
     key: mx.array | None
@@ -36,8 +35,7 @@ class ReqState:
         if not r.sampling.greedy:
             key = keys.request_key(r.sampling.seed, len(r.output_ids))
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        slots = r.prefix_slot_ids + r.out_cache_loc
-        state = cls(r.rid, slots, r.sampling, -1, key, penalty, state_slot=r.state_slot)
+        state = cls(r.rid, r.sampling, -1, key, penalty, state_slot=r.state_slot)
         if r.sampling.grammar_kind:
             if grammars is None:
                 raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")

@@ -98,8 +98,8 @@ def run_pair(
     runner = ModelRunner(
         model, MlxKVPool(layout, num_slots), vocab_size, batched=batched, prefill_step=prefill_step,
         compile_decode=compile_decode, states=states, pad_prefill=pad_prefill,
+        pipeline_stage=pipeline_stage,
     )  # fmt: skip
-    runner.pipeline_stage = pipeline_stage
     slots = iter(range(1, num_slots + 1))
     reqs = []
     for i, p in enumerate(prompts):

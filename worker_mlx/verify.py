@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, SamplingParams
-from worker_mlx.request_state import ReqState, sample_and_record, step_keys
+from worker_mlx.request_state import ReqState, StepOutput, sample_and_record, step_keys
 from worker_mlx.sampler import NEG_INF, filter_logits
 
 MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
 
 if TYPE_CHECKING:
-    from worker_mlx.model_runner import ModelRunner
+    from worker_mlx.decode_buffer import DecodeBuffer
+    from worker_mlx.decode_step import DecodeStep
+    from worker_mlx.grammar import Grammars
 
 
 def verify(
@@ -84,16 +86,18 @@ def _rejection_sample(
     return a, residual[a]
 
 
-def verify_step(runner: ModelRunner, batch: DecodeBatch, states: list[ReqState]) -> dict:
-    """One step over every row's last token and its drafts: S columns of the decode buffer,
-    compiled like a decode step. Rows with drafts keep what `verify` accepts; rows without
-    are sampled from their first position as in a plain step (penalties, grammars and
-    logprobs included). All S columns go to the pool at once, the rejected ones into
-    slots the scheduler frees, and become holes of the buffer. Returns the StepOutput's
-    fields."""
+def verify_step(
+    buffer: DecodeBuffer, step: DecodeStep, batch: DecodeBatch, states: list[ReqState],
+    grammars: Grammars | None,
+) -> StepOutput:  # fmt: skip
+    """One step over every row's last token and its drafts: S columns of `buffer` (the
+    caller's, with the batch's rows live and nothing else unflushed), compiled like a
+    decode step. Rows with drafts keep what `verify` accepts; rows without are sampled
+    from their first position as in a plain step (penalties, grammars and logprobs
+    included). All S columns go to the pool at once, the rejected ones into slots the
+    scheduler frees, and become holes of the buffer. The caller records the slots kept
+    (`accepted`) and evaluates the arrays."""
     rids = list(batch.rids)
-    buffer = runner.buffer_for(rids, states)
-    runner.flush()  # the step's columns are then the only unflushed ones
     S = 1 + max(len(d) for d in batch.drafts)
     row_of = {rid: i for i, rid in enumerate(rids)}
     tokens, slots = [], {}
@@ -105,35 +109,32 @@ def verify_step(runner: ModelRunner, batch: DecodeBatch, states: list[ReqState])
         d, pad = batch.drafts[i], [0] * (S - 1 - len(batch.drafts[i]))
         tokens.append([states[i].last_token] + d + pad)
         slots[rid] = [batch.out_cache_loc[i]] + batch.draft_cache_loc[i] + pad
-    logits = buffer.step(runner.decode_step, mx.array(tokens))[mx.array(buffer.rows(rids))]
-    out = _accept(runner, logits, batch.drafts, states)
+    logits = buffer.step(step, mx.array(tokens))[mx.array(buffer.rows(rids))]
+    out = _accept(logits, batch.drafts, states, grammars)
     buffer.flush(slots.__getitem__)
-    kept = dict(zip(rids, out["accepted"]))
+    kept = dict(zip(rids, out.accepted))
     buffer.reject([S - 1 - kept[rid] if rid in kept else 0 for rid in buffer.rids])
-    mx.async_eval(buffer.arrays(), runner.pool.arrays())
-    for s, loc, locs, a in zip(states, batch.out_cache_loc, batch.draft_cache_loc, kept.values()):
-        s.slots += [loc] + locs[:a]
     return out
 
 
 def _accept(
-    runner: ModelRunner, logits: mx.array, drafts: list[list[int]], states: list[ReqState]
-) -> dict:
-    """The step's output: drafted rows by `verify`, the others by the runner's sampling."""
+    logits: mx.array, drafts: list[list[int]], states: list[ReqState], grammars: Grammars | None
+) -> StepOutput:
+    """The step's output: drafted rows by `verify`, the others sampled as in a plain step."""
     drafted = [i for i, d in enumerate(drafts) if d]
     plain = [i for i, d in enumerate(drafts) if not d]
     n = len(states)
-    out = {"rids": [s.rid for s in states], "next_token_ids": [0] * n, "accepted": [0] * n}
+    out = StepOutput([s.rid for s in states], [0] * n, accepted=[0] * n)
     if plain:
         rows = [states[i] for i in plain]
-        sampled = sample_and_record(logits[mx.array(plain), 0], rows, [], runner.grammars)
+        sampled = sample_and_record(logits[mx.array(plain), 0], rows, [], grammars)
         if sampled.logprobs is not None:
-            out["logprobs"], out["top_logprobs"] = [0.0] * n, [[] for _ in states]
+            out.logprobs, out.top_logprobs = [0.0] * n, [[] for _ in states]
         for j, i in enumerate(plain):
-            out["next_token_ids"][i] = sampled.next_token_ids[j]
+            out.next_token_ids[i] = sampled.next_token_ids[j]
             if sampled.logprobs is not None:
-                out["logprobs"][i] = sampled.logprobs[j]
-                out["top_logprobs"][i] = sampled.top_logprobs[j]
+                out.logprobs[i] = sampled.logprobs[j]
+                out.top_logprobs[i] = sampled.top_logprobs[j]
     if drafted:
         rows = [states[i] for i in drafted]
         accepted, nxt = verify(
@@ -141,7 +142,7 @@ def _accept(
             [s.sampling for s in rows], step_keys(rows),
         )  # fmt: skip
         for i, a, tok, s in zip(drafted, accepted, nxt, rows):
-            out["accepted"][i], out["next_token_ids"][i], s.last_token = a, tok, tok
+            out.accepted[i], out.next_token_ids[i], s.last_token = a, tok, tok
     return out
 
 

@@ -55,7 +55,7 @@ def run_worker(
     rank = join_group(spec) if spec is not None else None
     runner, ready = load_runner(args, blas, rank)
     # not in a group: each rank's own count could refuse a step the others run
-    runner.guard = StepGuard(runner.memory) if spec is None else None
+    guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
     apply_test_limits(runner.memory)
     ctx = zmq.Context()
@@ -68,16 +68,17 @@ def run_worker(
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox, trace, cache.after_step, forward, probe)
+    serve(runner, inbox, outbox, trace, cache.after_step, forward, probe, guard)
 
 
 def serve(
-    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None
-) -> None:
+    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None,
+    guard=None,
+) -> None:  # fmt: skip
     """`outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
     of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
     distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
-    `execute`)."""
+    `execute`); `guard`: the memory.StepGuard checked before each step."""
     import zmq
 
     watch = ParentWatch()
@@ -103,7 +104,7 @@ def serve(
             forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))
-        reply = execute(runner, msg, probe is not None)
+        reply = execute(runner, msg, probe is not None, guard)
         trace("done", step)
         if reply is not None and outbox is not None:
             if probe is not None and isinstance(reply, StepResult):
@@ -115,19 +116,20 @@ def serve(
         after_step()
 
 
-def execute(runner, msg, group: bool = False) -> StepResult | WorkerError | None:
+def execute(runner, msg, group: bool = False, guard=None) -> StepResult | WorkerError | None:
     """The step's result, or the error it is answered with. In a group, only a descriptor
     the checks refuse (ValueError, raised alike on every rank before any collective) is
     answered: any other failure (a peer lost mid-collective) may have left the ranks'
-    states apart, so the rank exits and the supervisor restarts the whole group."""
+    states apart, so the rank exits and the supervisor restarts the whole group. `guard`:
+    the worker's memory.StepGuard (None: no check before a step)."""
     try:
         if isinstance(msg, ReleaseBatch):
             runner.release(msg.release)
             return None
         ahead = runner.lookahead.has_step  # then the step may already be computed
         started = time.perf_counter()
-        if runner.guard is not None and not ahead:
-            runner.guard.check(runner, msg)
+        if guard is not None and not ahead:
+            guard.check(runner, msg)
         out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
         took = None if ahead or isinstance(msg, ExtendBatch) else time.perf_counter() - started
     except Exception as exc:

@@ -26,39 +26,11 @@ so before the device can be asked. For the same reason nothing in this package's
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-Name = Literal["cpu", "metal", "cuda"]
+from worker_mlx.backends.base import Backend, Name
 
-
-@dataclass(frozen=True)
-class Backend:
-    name: Name
-    prefill_step: int
-    mem_fraction: float
-    compile_decode: bool
-
-    def max_memory(self) -> int:
-        """The default --max-memory: bytes this process may hold on the device, in all."""
-        raise NotImplementedError
-
-    def wire(self, model_bytes: int) -> None:
-        """Keep the weights resident where the device can (Metal's wired memory)."""
-
-    def install(self, model: Any) -> Callable[[], None]:
-        """Apply this backend's changes to the process and `model`; returns their undo."""
-        return _nothing
-
-    def describe(self) -> str:
-        """One line for the start-up log."""
-        compiled = "compiled" if self.compile_decode else "uncompiled"
-        return f"{self.name}: prefill step {self.prefill_step}, {compiled} decode step"
-
-
-def _nothing() -> None:
-    pass
+__all__ = ["Backend", "Name", "select"]
 
 
 def select(

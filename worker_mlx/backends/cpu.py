@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.backends import Backend, cpu_kernels
+from worker_mlx.backends import cpu_kernels
+from worker_mlx.backends.base import Backend
 
 logger = logging.getLogger("worker")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from worker_mlx.backends import Backend
+from worker_mlx.backends.base import Backend
 
 logger = logging.getLogger("worker")
 
