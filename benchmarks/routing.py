@@ -34,7 +34,7 @@ from benchmarks.records import WorkloadSpec
 from benchmarks.report import compute_metrics, format_table
 from benchmarks.serving import ManagedServer, bench_run, resolve_model, warm_up
 from common.tiny_presets import PRESETS
-from router.model_files import load_tokenizer
+from router.serving.model_files import load_tokenizer
 
 BASELINE = "round_robin"
 

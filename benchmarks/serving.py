@@ -53,7 +53,7 @@ from benchmarks.workloads import (
 from common.ipc import free_ports
 from common.server_process import ServerProcess
 from common.tiny_presets import PRESETS
-from router.model_files import load_tokenizer
+from router.serving.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
 BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram", "radix-mlx-draft")

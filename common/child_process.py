@@ -9,7 +9,7 @@ router GROUP_SIGNAL_GRACE to say it is stopping (a `StopFlag`), and exits if it 
 The handlers only read the flag and set a timer: they take no lock, so no signal, and no
 other process dying at any moment, can leave them waiting.
 
-A standby child (`router.standby`) is titled `radix-mlx::<name>-standby` until it is
+A standby child (`router.serving.standby`) is titled `radix-mlx::<name>-standby` until it is
 released, and exits meanwhile if its parent dies.
 
 Titles name the role first, then the server: its port and its model's short name
@@ -117,7 +117,7 @@ def setup_child(name: str, router_stopping: StopFlag | None = None, release=None
 
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGALRM, on_grace_over)
-    # a standby is spawned with these blocked (router.standby); its handlers are in place
+    # a standby is spawned with these blocked (router.serving.standby); its handlers are in place
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 

@@ -2,7 +2,7 @@
 
 Tracebacks too: an uncaught exception (the main thread's, another thread's, a child
 process's entry point's) and uvicorn's (it propagates to the root logger, see
-router.launcher) are logged through the same handler, each line of the traceback with
+router.serving.launcher) are logged through the same handler, each line of the traceback with
 the process's prefix, rather than dumped raw onto stderr.
 """
 

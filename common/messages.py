@@ -108,7 +108,7 @@ class SchedulerStats:
 @dataclass
 class CacheEvicted:
     """What the scheduler's prefix cache dropped since its last CacheEvicted, so the
-    router's guess of it (router/approx_tree.py) drops it too. Each path is the tokens from
+    router's guess of it (router/replicas/approx_tree.py) drops it too. Each path is the tokens from
     the root down to the first token of an evicted subtree: the cache no longer holds any
     sequence that starts with the whole path, and still holds `path[:-1]`. Paths a queued
     or running request will cache again are left out."""

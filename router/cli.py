@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
-        from router.launcher import serve
+        from router.serving.launcher import serve
 
         return serve(args_from_namespace(ns))
     if ns.command == "replica":
-        from router.replica_launcher import run_replica
+        from router.serving.replica_launcher import run_replica
 
         return run_replica(args_from_namespace(ns))
     if ns.command == "keys":

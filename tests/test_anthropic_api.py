@@ -312,7 +312,7 @@ def test_bearer_and_x_api_key_both_work(server):
 def test_thinking_signatures_outlive_the_server(tmp_path):
     """Two signers (two runs of the server) on one key file sign alike; another file's
     signer refuses their blocks."""
-    from router.thinking_signature import ThinkingSigner, stored_key
+    from router.api.thinking_signature import ThinkingSigner, stored_key
 
     path = tmp_path / "state" / "key"
     first, second = ThinkingSigner(stored_key(path)), ThinkingSigner(stored_key(path))

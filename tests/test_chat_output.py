@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from router.chat_format import ChatFormat, mlx_lm_module
-from router.chat_output import OutputSplitter, finish_reason
+from router.api.chat_format import ChatFormat, mlx_lm_module
+from router.api.chat_output import OutputSplitter, finish_reason
 
 NESTED = {"q": "Zürich 東京 😀", "opts": {"k": [1, {"deep": None}], "ok": True}}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

@@ -15,9 +15,9 @@ import pytest
 
 from common.server_args import args_from_namespace
 from router.cli import build_parser
-from router.launcher import stop_bound
 from router.metrics import METRICS, PREFIX, exported_series
-from router.replica_server import replica_args_problem
+from router.replicas.replica_server import replica_args_problem
+from router.serving.launcher import stop_bound
 from tests.doc_commands import ROOT, commands_in, flags
 
 DEPLOY = ROOT / "deploy"

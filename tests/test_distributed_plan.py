@@ -8,7 +8,7 @@ import json
 import pytest
 
 from common.server_args import ServerArgs
-from router.worker_group import launched_spec, local_group
+from router.serving.worker_group import launched_spec, local_group
 from worker_mlx.distributed_plan import (
     GroupSpec,
     PlanError,

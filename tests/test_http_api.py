@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
+from router.api.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from router.api.openai_api import TokenPieces, chat_logprobs, completion_logprobs
 from router.client import Client, RadixMLXError
-from router.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from router.openai_api import TokenPieces, chat_logprobs, completion_logprobs
 from tests.conftest import load_model, mlx_greedy
 from tests.server import ServerProcess
 from tests.test_metrics import PREFIX, delta, scrape, wait_idle, wait_running

@@ -1,5 +1,5 @@
 """Remote replicas: `radix-mlx replica` processes on loopback tcp, reached through the
-router's RemoteLink (router/remote_replica.py), with and without CURVE keys.
+router's RemoteLink (router/replicas/remote_replica.py), with and without CURVE keys.
 
 The router's side here is the link itself, read as the router's manager reads it
 (`LinkReader`); tests/test_remote_serve.py runs `radix-mlx serve --replica`.
@@ -42,7 +42,7 @@ from common.messages import (
 from common.model_identity import model_identity
 from common.protocol import ProtocolError, decode, encode
 from common.server_args import ServerArgs
-from router.remote_replica import RemoteLink
+from router.replicas.remote_replica import RemoteLink
 from tests.conftest import mlx_greedy
 from tests.server import RADIX_MLX, ReplicaProcess, ServerProcess, exited
 from tests.test_faults import _post_in_thread

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.messages import SchedulerReady
-from router.approx_tree import PRUNE_TO, ApproxTree
-from router.replicas import Replica, ReplicaSet
-from router.routing import CacheAware, LeastLoad, RoundRobin, make_policy
+from router.replicas.approx_tree import PRUNE_TO, ApproxTree
+from router.replicas.replica_set import Replica, ReplicaSet
+from router.replicas.routing import CacheAware, LeastLoad, RoundRobin, make_policy
 from scheduler.memory_pool import TokenToKVPoolAllocator
 from scheduler.radix_cache import RadixCache
 
@@ -204,7 +204,7 @@ def test_replica_set_prefers_replicas_heard_from_lately():
 
 def test_multi_tenant_workload_interleaves_tenants_with_long_shared_prefixes(tiny_model):
     from benchmarks.workloads import PromptFactory, multi_tenant_sessions
-    from router.model_files import load_tokenizer
+    from router.serving.model_files import load_tokenizer
 
     f = PromptFactory(load_tokenizer(tiny_model), seed=3)
     sessions = multi_tenant_sessions(f, tenants=4, requests_per_tenant=3, system_len=64,

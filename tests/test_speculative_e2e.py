@@ -126,8 +126,8 @@ def test_seeded_sampling_with_speculation_is_reproducible(spec_server):
 def _stop_token(tokenizer, tokens: list[int], stop: str) -> int:
     """How many tokens the router takes to see `stop` when they come one by one, as
     they do without speculation."""
-    from router.detokenizer import IncrementalDetokenizer
-    from router.generation import StopMatcher
+    from router.api.detokenizer import IncrementalDetokenizer
+    from router.api.generation import StopMatcher
 
     detok, matcher = IncrementalDetokenizer(tokenizer), StopMatcher([stop])
     for j, tok in enumerate(tokens):

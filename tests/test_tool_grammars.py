@@ -16,11 +16,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from common.messages import SamplingParams
-from router.chat_format import ChatFormat
-from router.chat_output import OutputSplitter
-from router.constraints import tool_grammar
-from router.manager import RequestError
-from router.tool_grammars import FORCEABLE_FORMATS
+from router.api.chat_format import ChatFormat
+from router.api.chat_output import OutputSplitter
+from router.api.constraints import tool_grammar
+from router.api.tool_grammars import FORCEABLE_FORMATS
+from router.replicas.manager import RequestError
 from tests.agent_model import FORMATS, agent_template
 
 LOOKUP = {

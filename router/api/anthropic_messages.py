@@ -16,13 +16,13 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from common.messages import Output, SamplingParams
-from router.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body
-from router.chat_output import OutputSplitter, Parts, ToolCall
-from router.chat_response import ChatPrompt, plan_chat
-from router.constraints import output_grammar
-from router.manager import RequestError
-from router.responses import _aclose_shielded, first_chunk, whole
-from router.thinking_signature import ThinkingSigner
+from router.api.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body
+from router.api.chat_output import OutputSplitter, Parts, ToolCall
+from router.api.chat_response import ChatPrompt, plan_chat
+from router.api.constraints import output_grammar
+from router.api.response_assembly import _aclose_shielded, first_chunk, whole
+from router.api.thinking_signature import ThinkingSigner
+from router.replicas.manager import RequestError
 
 _STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
 ANTHROPIC_MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1], OpenAI's [0, 2]
@@ -148,7 +148,7 @@ class _Blocks:
     """The stream's content blocks: which is open, and the events that open, fill and
     close them. Whitespace between blocks (after thinking, before a tool call) opens none.
     A tool call's arguments stream as `input_json_delta`s as they are written (where the
-    format allows: router.tool_stream); a thinking block ends with its `signature_delta`."""
+    format allows: router.api.tool_stream); a thinking block ends with its `signature_delta`."""
 
     def __init__(self, signer: ThinkingSigner):
         self.index, self.kind, self.space = -1, None, ""

@@ -1,5 +1,5 @@
 """How a chat completion's choice renders: OpenAI's message (or streamed deltas) with the
-answer's content, `reasoning_content` and `tool_calls` split apart (router.chat_output)."""
+answer's content, `reasoning_content` and `tool_calls` split apart (router.api.chat_output)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.messages import Output
-from router.chat_format import ChatFormat
-from router.chat_output import OutputSplitter, finish_reason
-from router.constraints import after_thinking, check_tools, tool_choice, tool_grammar
-from router.generation import Tokenization
-from router.manager import RequestError
+from router.api.chat_format import ChatFormat
+from router.api.chat_output import OutputSplitter, finish_reason
+from router.api.constraints import after_thinking, check_tools, tool_choice, tool_grammar
+from router.api.generation import Tokenization
+from router.replicas.manager import RequestError
 
 
 @dataclass
@@ -30,7 +30,7 @@ def plan_chat(
 ) -> tuple[list[int], ChatPrompt, tuple[str, str] | None]:  # fmt: skip
     """(prompt ids, what the rendering decided, the output's grammar) of a chat with
     OpenAI-shaped `messages`, `tools` and tool `choice`; `grammar` is the requested output
-    format's (router.constraints.output_grammar), which a forced tool call replaces.
+    format's (router.api.constraints.output_grammar), which a forced tool call replaces.
     A thought is bounded by `think_budget` tokens (Anthropic's budget_tokens) if given,
     else by half of `max_tokens` (the request's, if it set one, cut to what the context
     leaves), so the answer still fits after it; a budget the cut leaves no room after is

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from common.grammar_spec import GrammarError, check
-from router.chat_format import ChatFormat
-from router.manager import RequestError
-from router.tool_grammars import forced_call_rules, json_rule
+from router.api.chat_format import ChatFormat
+from router.api.tool_grammars import forced_call_rules, json_rule
+from router.replicas.manager import RequestError
 
 
 def output_grammar(response_format: dict | None, regex, ebnf) -> tuple[str, str] | None:
@@ -46,7 +46,7 @@ def tool_grammar(
     think_budget: int | None = None,
 ) -> tuple[str, str]:  # fmt: skip
     """A grammar that makes the model call one of the tools `names` (OpenAI tool dicts) in
-    its own tool format (router.tool_grammars); `thinking`: the prompt opened a thinking
+    its own tool format (router.api.tool_grammars); `thinking`: the prompt opened a thinking
     block, in which the model thinks first (see `_thought`)."""
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     for name in names:

@@ -4,7 +4,7 @@ A `Replica` is what the router knows of one pair: its id (`r0`, `r1`, ...), the 
 its scheduler is reached at, its state, its link and its load. The `RouterManager` sends a
 request to the scheduler of the replica its routing policy picks and reads every replica's
 outputs, each on its own receive task; a replica's supervisor (local pairs:
-`router.supervisor`) reports its failures (`RouterManager.replica_down`).
+`router.serving.supervisor`) reports its failures (`RouterManager.replica_down`).
 
 States: `starting` (spawned or reconnecting; no traffic), `ready` (its SchedulerReady came;
 it gets traffic), `draining` (a remote replica shutting down: no new traffic, its requests

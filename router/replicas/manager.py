@@ -2,9 +2,9 @@
 callers.
 
 Runs on the router's asyncio loop. Each request gets a queue; one receive task per replica
-(`router.replicas`) routes that scheduler's TokenOutBatch / ReqError messages into those
+(`router.replicas.replica_set`) routes that scheduler's TokenOutBatch / ReqError messages into those
 queues. The HTTP server and the SDK front door both go through `generate`, which sends
-each request to the replica the routing policy (`router.routing`) picks among those that
+each request to the replica the routing policy (`router.replicas.routing`) picks among those that
 serve.
 
 The manager also holds the serving state the supervisor and the signal handlers set:
@@ -41,8 +41,8 @@ from common.messages import (
 )
 from common.protocol import encode
 from common.trace import Trace
-from router.replicas import Replica, ReplicaSet, read_scheduler
-from router.routing import RoundRobin
+from router.replicas.replica_set import Replica, ReplicaSet, read_scheduler
+from router.replicas.routing import RoundRobin
 
 logger = logging.getLogger("router")
 RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while restarting

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn): requests in, choices out
-(`router.responses` turns them into a body or a stream).
+(`router.api.response_assembly` turns them into a body or a stream).
 
 A client that goes away aborts its requests in the scheduler: a stream when Starlette sees
 the disconnect (the stream task is cancelled), a non-streaming request through a watcher
@@ -20,16 +20,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from common.messages import Output
-from router.access_log import AccessLog, count_usage
-from router.anthropic_api import anthropic_error_body
-from router.anthropic_messages import AnthropicRoutes
-from router.chat_response import chat_renderer, plan_chat
-from router.constraints import output_grammar
-from router.generation import Tokenization, generate_text
-from router.manager import RequestError, RouterManager
-from router.metrics import track_finish
-from router.model_names import ModelNames
-from router.openai_api import (
+from router.api.access_log import AccessLog, count_usage
+from router.api.anthropic_api import anthropic_error_body
+from router.api.anthropic_messages import AnthropicRoutes
+from router.api.chat_response import chat_renderer, plan_chat
+from router.api.constraints import output_grammar
+from router.api.generation import Tokenization, generate_text
+from router.api.model_names import ModelNames
+from router.api.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -41,8 +39,10 @@ from router.openai_api import (
     prompt_only,
     with_prompt,
 )
-from router.request_body import field_path
-from router.responses import Choice, collect, stream
+from router.api.request_body import field_path
+from router.api.response_assembly import Choice, collect, stream
+from router.metrics import track_finish
+from router.replicas.manager import RequestError, RouterManager
 
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
 _ANTHROPIC = "/v1/messages"  # paths of the Anthropic API (its error bodies)

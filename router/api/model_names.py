@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from router.manager import RequestError
+from router.replicas.manager import RequestError
 
 
 class ModelNames:

@@ -15,9 +15,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from common.messages import Output
-from router.manager import RequestError
-from router.openai_api import error_body, usage
+from router.api.openai_api import error_body, usage
 from router.output import OutputAccumulator
+from router.replicas.manager import RequestError
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`radix-mlx serve`: start the replicas' workers and schedulers, supervise them, serve
 HTTP and ZMQ.
 
-The launcher process is the router. Its children (`router.supervisor`), a worker and a
+The launcher process is the router. Its children (`router.serving.supervisor`), a worker and a
 scheduler per replica (`--dp-size`), talk over ipc sockets in a private runtime directory
 (a subdirectory per replica), are restarted when they die or hang, and exit on their own
 if this process disappears. With several replicas and an auto-sized pool, the first
@@ -38,17 +38,17 @@ from common.messages import ModelIdentity
 from common.model_identity import model_identity
 from common.server_args import ServerArgs
 from common.trace import Trace
-from router.frontdoor import FrontDoor
-from router.http_server import create_app
-from router.manager import RouterManager
+from router.api.http_server import create_app
 from router.metrics import Metrics
-from router.model_files import Refused, load_tokenizer, resolve_args
-from router.remote_replica import attach_remote_replicas
-from router.replicas import Replica, ReplicaLink, ReplicaSet
-from router.routing import make_policy
-from router.stop_signals import hold_stop_signals, on_loop
-from router.supervisor import STOP_TIMEOUT, Children, Supervision, Supervisor
-from router.worker_group import launched_rank, launched_spec
+from router.replicas.manager import RouterManager
+from router.replicas.remote_replica import attach_remote_replicas
+from router.replicas.replica_set import Replica, ReplicaLink, ReplicaSet
+from router.replicas.routing import make_policy
+from router.sdk.frontdoor import FrontDoor
+from router.serving.model_files import Refused, load_tokenizer, resolve_args
+from router.serving.stop_signals import hold_stop_signals, on_loop
+from router.serving.supervisor import STOP_TIMEOUT, Children, Supervision, Supervisor
+from router.serving.worker_group import launched_rank, launched_spec
 
 logger = logging.getLogger("router")
 DRAIN_POLL = 0.05  # seconds between checks for the last in-flight request during a drain
@@ -80,7 +80,7 @@ def serve(args: ServerArgs) -> int:
         return 0
     # the tracker first: multiprocessing unblocks SIGINT and SIGTERM once it has started it
     start_resource_tracker()
-    hold_stop_signals()  # until the loop takes them (router.stop_signals)
+    hold_stop_signals()  # until the loop takes them (router.serving.stop_signals)
     tokenizer = load_tokenizer(model_dir)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)
@@ -130,7 +130,7 @@ class _Server(uvicorn.Server):
 class Shutdown:
     """The first signal drains, the second stops at once; before serving (the model
     loads) there is nothing to drain and the first stops. Runs on the event loop
-    (`router.stop_signals.on_loop`), never in a signal handler."""
+    (`router.serving.stop_signals.on_loop`), never in a signal handler."""
 
     def __init__(self, manager: RouterManager, stopping: StopFlag | None, timeout: float):
         self.manager, self.stopping, self.timeout = manager, stopping, timeout

@@ -22,8 +22,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from router.approx_tree import ApproxTree
-from router.replicas import Replica
+from router.replicas.approx_tree import ApproxTree
+from router.replicas.replica_set import Replica
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
 DEFAULT_TREE_TOKENS = 1 << 20  # a tree's bound until its replica reports its pool size

@@ -28,10 +28,10 @@ from common.log import setup_logging
 from common.model_identity import describe, model_identity
 from common.server_args import ServerArgs
 from router.metrics import Metrics
-from router.model_files import Refused, resolve_args
-from router.replica_server import ReplicaServer, replica_args_problem
-from router.stop_signals import hold_stop_signals, on_loop
-from router.supervisor import Children, Supervisor
+from router.replicas.replica_server import ReplicaServer, replica_args_problem
+from router.serving.model_files import Refused, resolve_args
+from router.serving.stop_signals import hold_stop_signals, on_loop
+from router.serving.supervisor import Children, Supervisor
 
 logger = logging.getLogger("replica")
 FLUSH_WAIT = 0.1  # seconds for the last statuses and errors to leave before the sockets close
@@ -52,7 +52,7 @@ def run_replica(args: ServerArgs) -> int:
         return exc.status
     # the tracker first: multiprocessing unblocks SIGINT and SIGTERM once it has started it
     start_resource_tracker()
-    hold_stop_signals()  # until the loop takes them (router.stop_signals)
+    hold_stop_signals()  # until the loop takes them (router.serving.stop_signals)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     endpoints = Endpoints.ipc(runtime_dir)
     children = Children(child_args, endpoints)
@@ -96,7 +96,7 @@ async def _main(args: ServerArgs, endpoints: Endpoints, children: Children) -> i
 
 
 def _on_signal(children: Children, stop: asyncio.Event, now: asyncio.Event, sig: int) -> None:
-    """On the loop (router.stop_signals): the first signal drains, the next stops now."""
+    """On the loop (router.serving.stop_signals): the first signal drains, the next stops now."""
     name = signal.Signals(sig).name
     children.stopping.set()  # they keep serving through a group SIGTERM until we stop them
     if stop.is_set():

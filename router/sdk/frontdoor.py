@@ -31,10 +31,10 @@ from common.messages import (
     Output,
 )
 from common.protocol import ProtocolError, decode, encode, peek_rid
-from router.generation import Tokenization, generate_text
-from router.manager import RequestError, RouterManager
+from router.api.generation import Tokenization, generate_text
 from router.metrics import track_finish
 from router.output import OutputAccumulator
+from router.replicas.manager import RequestError, RouterManager
 
 logger = logging.getLogger("router")
 PROBE_INTERVAL = 1.0  # seconds between liveness probes of clients with requests in progress

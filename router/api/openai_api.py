@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictFloat, StrictInt
 
 from common.byte_level import byte_level_alphabet, is_byte_level
 from common.messages import Output, SamplingParams
-from router.request_body import RequestBody
+from router.api.request_body import RequestBody
 
 
 class StreamOptions(BaseModel):
@@ -62,7 +62,7 @@ class _Common(RequestBody):
     def sampling(
         self, max_new_tokens: int, grammar: tuple[str, str] | None = None
     ) -> SamplingParams:
-        """`grammar` is (kind, source), see router.constraints."""
+        """`grammar` is (kind, source), see router.api.constraints."""
         d = SamplingParams()
         kind, source = grammar or ("", "")
         want_logprobs, top_logprobs = self.logprob_request()
@@ -113,7 +113,7 @@ class ChatCompletionRequest(_Common):
 
     def template_kwargs(self) -> dict:
         """chat_template_kwargs, with reasoning_effort as the thinking switch unless they
-        set it; neither: no thinking (router.chat_format.ChatFormat.template_kwargs)."""
+        set it; neither: no thinking (router.api.chat_format.ChatFormat.template_kwargs)."""
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")

@@ -15,7 +15,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from router.stop_signals import start_quietly
+from router.serving.stop_signals import start_quietly
 
 
 @dataclass

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 
 from common.grammar_spec import JSON_OPTIONS
-from router.manager import RequestError
+from router.replicas.manager import RequestError
 
 
 def json_rule(schema: dict | bool) -> str:

@@ -4,7 +4,7 @@ They are spawned (not forked: MLX and ZMQ state must not be copied) and polled e
 CHECK_INTERVAL. When one dies (any exit status, a signal, the OOM killer) or the
 scheduler's watchdog reports a hung worker step, the requests in flight fail with a 503
 naming the process and its exit status, both children are replaced (the KV pool died with
-the worker, so the trie must start empty too) by standbys spawned ahead (router.standby)
+the worker, so the trie must start empty too) by standbys spawned ahead (router.serving.standby)
 and serving resumes once the new scheduler reports ready. Each replica (`--dp-size`) is
 supervised on its own: a failure takes only that replica down
 (`RouterManager.replica_down`) while the others serve. More than --max-restarts restarts
@@ -30,8 +30,8 @@ from common.child_process import STOP_SIGNAL, StopFlag
 from common.ipc import Endpoints
 from common.log import run_logged
 from common.server_args import ServerArgs
-from router.standby import Standbys
-from router.stop_signals import start_quietly
+from router.serving.standby import Standbys
+from router.serving.stop_signals import start_quietly
 from worker_mlx.distributed_plan import GROUP_BROKEN
 
 logger = logging.getLogger("router")
@@ -92,7 +92,7 @@ class Children:
     def _group(self) -> list:
         """The specs of the ranks this machine runs: all of them (a loopback ring), or
         rank 0 alone under mlx.launch (--dist-hostfile; the others run elsewhere)."""
-        from router.worker_group import launched_spec, local_group
+        from router.serving.worker_group import launched_spec, local_group
 
         if self.args.dist_hostfile:
             return [launched_spec(self.args, 0)]
@@ -101,7 +101,7 @@ class Children:
         return local_group(self.args, self.group_dir, self.args.transport)
 
     def spawn_standbys(self) -> None:
-        """Spawn what the next restart releases (router.standby); once serving, so the
+        """Spawn what the next restart releases (router.serving.standby); once serving, so the
         standbys' imports do not slow the start they are not part of."""
         self.standbys.spawn(self._standby_roles())
 

@@ -1,5 +1,5 @@
 """Anthropic Messages API request bodies, their translation into the chat the template
-renders (OpenAI-shaped messages, tools and tool choice, as router.constraints takes
+renders (OpenAI-shaped messages, tools and tool choice, as router.api.constraints takes
 them), and Anthropic's error body."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
-from router.manager import RequestError
-from router.request_body import RequestBody
-from router.thinking_signature import ThinkingSigner
+from router.api.request_body import RequestBody
+from router.api.thinking_signature import ThinkingSigner
+from router.replicas.manager import RequestError
 
 # HTTP status -> Anthropic's error type
 _ERROR_TYPES = {
@@ -62,7 +62,7 @@ class CountTokensRequest(RequestBody):
         return tools
 
     def openai_tool_choice(self):
-        """Anthropic's tool_choice as OpenAI's (router.constraints.tool_choice)."""
+        """Anthropic's tool_choice as OpenAI's (router.api.constraints.tool_choice)."""
         choice = self.tool_choice or {"type": "auto"}
         kind = choice.get("type")
         if kind in ("auto", "none"):
@@ -75,7 +75,7 @@ class CountTokensRequest(RequestBody):
 
     def template_kwargs(self) -> dict:
         """`thinking` as the template's switch; without it, off (as on Anthropic's API:
-        router.chat_format.ChatFormat.template_kwargs)."""
+        router.api.chat_format.ChatFormat.template_kwargs)."""
         kind = (self.thinking or {}).get("type")
         if kind is None:
             return {}
@@ -113,7 +113,7 @@ class MessagesRequest(CountTokensRequest):
     ebnf: str | None = None
 
     def response_format(self) -> dict | None:
-        """output_config.format as OpenAI's response_format (router.constraints)."""
+        """output_config.format as OpenAI's response_format (router.api.constraints)."""
         fmt = (self.output_config or {}).get("format")
         if fmt is None:
             return None
@@ -135,7 +135,7 @@ def system_text(system: str | list, where: str = "system") -> str:
 
 def _check_thought(block: dict, where: str, signer: ThinkingSigner | None) -> None:
     """A thinking block of the history must carry this server's signature of its text
-    (router.thinking_signature); this server returns no redacted_thinking blocks."""
+    (router.api.thinking_signature); this server returns no redacted_thinking blocks."""
     if signer is None:
         return
     if block["type"] == "redacted_thinking":

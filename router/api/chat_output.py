@@ -4,7 +4,7 @@ markers, parsed with mlx-lm's parser for the model's format).
 
 Text arrives in streamed pieces; a piece that might be the start of a marker is held back
 until the next piece (or the end) tells, so no marker ever leaks into the content. A tool
-call's arguments stream as they are written where the format allows (router.tool_stream);
+call's arguments stream as they are written where the format allows (router.api.tool_stream);
 a call is otherwise parsed whole at its end.
 """
 
@@ -15,8 +15,8 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from router.chat_format import ChatFormat
-from router.tool_stream import ArgumentStream, streams_arguments
+from router.api.chat_format import ChatFormat
+from router.api.tool_stream import ArgumentStream, streams_arguments
 
 logger = logging.getLogger("router")
 

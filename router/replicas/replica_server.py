@@ -1,7 +1,7 @@
 """`radix-mlx replica`: a scheduler+worker pair that waits for routers on --listen.
 
 The replica process starts and supervises the same two children `radix-mlx serve` does
-(`router.supervisor`: restarted when they die or hang, the same --max-restarts), talks to
+(`router.serving.supervisor`: restarted when they die or hang, the same --max-restarts), talks to
 them over ipc as a router would, and relays frames between them and the routers that
 connect to --listen.
 
@@ -52,7 +52,7 @@ from common.messages import (
 )
 from common.protocol import ProtocolError, decode, encode, peek_rid
 from common.server_args import ServerArgs
-from router.replicas import Replica, ReplicaLink, read_scheduler
+from router.replicas.replica_set import Replica, ReplicaLink, read_scheduler
 
 logger = logging.getLogger("replica")
 ROUTER_TIMEOUT = 10.0  # seconds without a frame (pings come every 0.5 s) before a router is gone
@@ -60,8 +60,9 @@ ROUTER_TIMEOUT = 10.0  # seconds without a frame (pings come every 0.5 s) before
 
 class ReplicaServer:
     """The routers' side (the ROUTER socket) and the local pair's (`self.local`, a
-    `router.replicas.Replica` on ipc), and to `router.supervisor.Supervisor` the manager of
-    that one replica: it calls replica_down, replica_starting, serving and stopped."""
+    `router.replicas.replica_set.Replica` on ipc), and to
+    `router.serving.supervisor.Supervisor` the manager of that one replica: it calls
+    replica_down, replica_starting, serving and stopped."""
 
     def __init__(self, args: ServerArgs, endpoints: Endpoints, identity: ModelIdentity):
         self.args, self.identity = args, identity

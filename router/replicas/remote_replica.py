@@ -1,6 +1,6 @@
 """The router's link to a remote replica (`radix-mlx replica --listen ADDRESS`).
 
-One DEALER socket connected to the replica's ROUTER socket (router/replica_server.py says
+One DEALER socket connected to the replica's ROUTER socket (router/replicas/replica_server.py says
 why), CURVE when the router has keys. To the router's manager it is a replica link like a
 local one: `send` / `send_nowait` take the scheduler's messages, `recv` returns the
 scheduler's frames, and a SchedulerReady frame when the replica becomes ready. Inside,
@@ -227,7 +227,7 @@ def attach_remote_replicas(manager, args: ServerArgs, identity: ModelIdentity, c
     """Each `--replica` address as one of the manager's replicas (ids after the local
     ones), its link's state changes passed on as the manager's replica_down and
     replica_starting (the SchedulerReady frame from `recv` makes it ready)."""
-    from router.replicas import Replica
+    from router.replicas.replica_set import Replica
 
     for i, address in enumerate(args.replica or [], len(manager.replicas)):
         replica = Replica(f"r{i}", address, link=None)

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from common.messages import InvalidParam, Output, SamplingParams
-from router.chat_format import ChatFormat, template_messages
-from router.detokenizer import IncrementalDetokenizer
-from router.manager import RequestError, RouterManager
+from router.api.chat_format import ChatFormat, template_messages
+from router.api.detokenizer import IncrementalDetokenizer
+from router.replicas.manager import RequestError, RouterManager
 
 # OpenAI's chat roles ("function": its deprecated tool role); any other is a client's bug
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
