@@ -24,10 +24,10 @@ import tempfile
 
 import mlx.core as mx
 
+from common.distributed_plan import GroupSpec, write_loopback_hostfile
 from common.ipc import free_ports
 from worker_mlx.backends.blas import rank_threads
 from worker_mlx.distributed import Rank, replay_collectives
-from worker_mlx.distributed_plan import GroupSpec, write_loopback_hostfile
 
 STEPS = 50  # replays of a step's collectives per batch size
 

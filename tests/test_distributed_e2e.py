@@ -229,8 +229,8 @@ def test_under_mlx_launch_each_machine_runs_its_rank(tiny_model, tmp_path):
     """The multi-machine path on one machine: two `radix-mlx serve` commands with the env
     mlx.launch gives each host (MLX_RANK, MLX_HOSTFILE); rank 0's serves HTTP, rank 1's
     runs its rank only and fetches its descriptors from rank 0 over TCP."""
+    from common.distributed_plan import loopback_hostfile
     from common.ipc import free_ports
-    from worker_mlx.distributed_plan import loopback_hostfile
 
     ring, hosts = tmp_path / "ring.json", tmp_path / "hosts.json"
     ring.write_text(json.dumps(loopback_hostfile(free_ports(2))))

@@ -7,9 +7,7 @@ import json
 
 import pytest
 
-from common.server_args import ServerArgs
-from router.serving.worker_group import launched_spec, local_group
-from worker_mlx.distributed_plan import (
+from common.distributed_plan import (
     GroupSpec,
     PlanError,
     check_model,
@@ -17,6 +15,8 @@ from worker_mlx.distributed_plan import (
     layer_ranges,
     loopback_hostfile,
 )
+from common.server_args import ServerArgs
+from router.serving.worker_group import launched_spec, local_group
 
 CONFIG = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
               num_hidden_layers=5)  # fmt: skip

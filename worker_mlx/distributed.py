@@ -24,8 +24,8 @@ import time
 import mlx.core as mx
 import zmq
 
+from common.distributed_plan import GroupSpec, hostfile_hosts
 from common.messages import DecodeBatch
-from worker_mlx.distributed_plan import GroupSpec, hostfile_hosts
 
 logger = logging.getLogger("worker")
 

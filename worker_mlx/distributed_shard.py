@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.distributed_plan import GroupSpec, PlanError, layer_ranges
+from common.distributed_plan import GroupSpec, PlanError, layer_ranges
 
 
 def shard_model(model: nn.Module, spec: GroupSpec, group) -> str:

@@ -7,12 +7,12 @@ import logging
 
 import mlx.core as mx
 
+from common.distributed_plan import PlanError
 from common.messages import WorkerReady
 from common.server_args import ServerArgs
 from worker_mlx import memory
 from worker_mlx.backends import select
 from worker_mlx.distributed import Rank, agree_pool_size
-from worker_mlx.distributed_plan import PlanError
 from worker_mlx.distributed_shard import shard_model
 from worker_mlx.draft_model import DraftModel
 from worker_mlx.grammar import Grammars

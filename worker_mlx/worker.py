@@ -12,6 +12,7 @@ import time
 import traceback
 
 from common.child_process import die_with_parent, setup_child, wait_for_release
+from common.distributed_plan import GROUP_BROKEN, GroupSpec
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
@@ -26,7 +27,6 @@ from common.protocol import ProtocolError, decode, encode, peek_step
 from common.server_args import ServerArgs
 from common.trace import Trace
 from worker_mlx.backends.blas import preload_openblas
-from worker_mlx.distributed_plan import GROUP_BROKEN, GroupSpec
 
 logger = logging.getLogger("worker")
 

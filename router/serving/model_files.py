@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from common.addresses import unavailable_address
+from common.distributed_plan import check_model_dir
 from common.server_args import ServerArgs
-from worker_mlx.distributed_plan import check_model_dir
 
 
 class ModelNotFound(Exception):

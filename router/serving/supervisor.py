@@ -27,12 +27,12 @@ import time
 from collections import deque
 
 from common.child_process import STOP_SIGNAL, StopFlag
+from common.distributed_plan import GROUP_BROKEN
 from common.ipc import Endpoints
 from common.log import run_logged
 from common.server_args import ServerArgs
 from router.serving.standby import Standbys
 from router.serving.stop_signals import start_quietly
-from worker_mlx.distributed_plan import GROUP_BROKEN
 
 logger = logging.getLogger("router")
 CHECK_INTERVAL = 0.1  # seconds between liveness checks: a death is noticed well within 1 s

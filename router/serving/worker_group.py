@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import os
 
+from common.distributed_plan import GroupSpec, hostfile_hosts, write_loopback_hostfile
 from common.ipc import free_ports
 from common.server_args import ServerArgs
-from worker_mlx.distributed_plan import GroupSpec, hostfile_hosts, write_loopback_hostfile
 
 DEFAULT_FANOUT_PORT = 31400  # with --dist-hostfile and no --dist-port
 
