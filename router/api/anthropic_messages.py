@@ -17,10 +17,11 @@ from fastapi.responses import StreamingResponse
 
 from common.messages import Output, SamplingParams
 from router.api.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body
+from router.api.api_context import ApiContext
 from router.api.chat_output import OutputSplitter, Parts, ToolCall
 from router.api.chat_response import ChatPrompt, plan_chat
 from router.api.constraints import output_grammar
-from router.api.response_assembly import _aclose_shielded, first_chunk, whole
+from router.api.response_assembly import aclose_shielded, first_chunk, whole
 from router.api.thinking_signature import ThinkingSigner
 from router.replicas.manager import RequestError
 
@@ -29,27 +30,27 @@ ANTHROPIC_MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1], OpenAI's [0, 2]
 
 
 class AnthropicRoutes:
-    """The endpoints, over the OpenAI routes' tokenization, checks and generation."""
+    """The endpoints, over the tokenization, checks and generation every API shares."""
 
-    def __init__(self, routes):
-        self.routes = routes
+    def __init__(self, api: ApiContext):
+        self.api = api
         self.signer = ThinkingSigner()
 
     def _plan(self, req: CountTokensRequest, grammar=None):
         return plan_chat(
-            self.routes.tok, req.openai_messages(self.signer), req.openai_tools(),
+            self.api.tok, req.openai_messages(self.signer), req.openai_tools(),
             req.openai_tool_choice(), req.template_kwargs(), grammar,
             getattr(req, "max_tokens", None),  # count_tokens has none
             req.think_budget(),
         )  # fmt: skip
 
     async def count_tokens(self, req: CountTokensRequest):
-        self.routes._check_model(req)
+        self.api.check_model(req)
         ids, _, _ = self._plan(req)
         return {"input_tokens": len(ids)}
 
     async def messages(self, req: MessagesRequest, request: Request):
-        self.routes._check_model(req)
+        self.api.check_model(req)
         grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
         ids, prompt, grammar = self._plan(req, grammar)
         d = SamplingParams()
@@ -68,8 +69,8 @@ class AnthropicRoutes:
                 param="temperature",
             )
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        chunks = self.routes._start(req, ids, sampling, rid)
-        message = _Message(rid, self.routes.model_name, prompt, req.stop_strings(), self.routes)
+        chunks = self.api.start(req, ids, sampling, rid)
+        message = _Message(rid, self.api.model_name, prompt, req.stop_strings(), self.api.tokenizer)
         if not req.stream:
             return message.body(await whole(request, chunks), self.signer)
         first = await first_chunk(request, chunks)
@@ -82,10 +83,10 @@ class AnthropicRoutes:
 class _Message:
     """One answer: its blocks, stop reason and usage, as a body or as stream events."""
 
-    def __init__(self, rid: str, model: str, prompt: ChatPrompt, stops: list[str], routes):
+    def __init__(self, rid: str, model: str, prompt: ChatPrompt, stops: list[str], tokenizer):
         self.rid, self.model, self.stops = rid, model, stops
         self.splitter = OutputSplitter(prompt.fmt, prompt.tools, prompt.thinking)
-        self.tokenizer = routes.tokenizer
+        self.tokenizer = tokenizer
         self.token_ids: list[int] = []
 
     def usage(self, out: Output, output_tokens: int) -> dict:
@@ -236,7 +237,7 @@ async def _events(message: _Message, first: Output, chunks: AsyncIterator[Output
     except RequestError as exc:
         yield _sse("error", anthropic_error_body(exc.message, exc.status))
     finally:
-        await _aclose_shielded(chunks)
+        await aclose_shielded(chunks)
 
 
 def _sse(name: str, body: dict) -> str:

@@ -63,34 +63,48 @@ def chat_renderer(
 ) -> Callable[[Output, str], dict]:
     """render(chunk, text) -> a response body with this choice; `body(kind, choice)` wraps
     the choice. Streaming, each call renders the increment since the previous one."""
-    splitter = OutputSplitter(prompt.fmt, prompt.tools, prompt.thinking)
-    first = [True]
+    renderer = ChatRenderer(prompt, index, body, logprobs_of)
+    return renderer.delta if stream else renderer.whole
 
-    def render_delta(c: Output, text: str) -> dict:
-        parts = splitter.feed(text, final=c.finish_reason is not None)
-        delta = {"role": "assistant"} if first[0] else {}
-        first[0] = False
+
+class ChatRenderer:
+    """One chat choice's rendering: the whole message, or its streamed deltas, the first
+    of which names the role. The splitter holds back what may be a marker's start."""
+
+    def __init__(
+        self,
+        prompt: ChatPrompt,
+        index: int,
+        body: Callable[[str, dict], dict],
+        logprobs_of: Callable[[Output], dict | None],
+    ):
+        self.index, self.body, self.logprobs_of = index, body, logprobs_of
+        self.splitter = OutputSplitter(prompt.fmt, prompt.tools, prompt.thinking)
+        self.role_sent = False  # OpenAI's first delta carries the role, the others not
+
+    def delta(self, c: Output, text: str) -> dict:
+        parts = self.splitter.feed(text, final=c.finish_reason is not None)
+        delta = {} if self.role_sent else {"role": "assistant"}
+        self.role_sent = True
         if parts.content or not (parts.reasoning or parts.tool_deltas):
             delta["content"] = parts.content
         if parts.reasoning:
             delta["reasoning_content"] = parts.reasoning
         if parts.tool_deltas:
             delta["tool_calls"] = [d.openai() for d in parts.tool_deltas]
-        choice = {"index": index, "delta": delta, "logprobs": logprobs_of(c)}
-        choice["finish_reason"] = finish_reason(c.finish_reason, splitter)
-        return body("chat.completion.chunk", choice)
+        choice = {"index": self.index, "delta": delta, "logprobs": self.logprobs_of(c)}
+        choice["finish_reason"] = finish_reason(c.finish_reason, self.splitter)
+        return self.body("chat.completion.chunk", choice)
 
-    def render_whole(c: Output, text: str) -> dict:
-        parts = splitter.feed(text, final=True)
+    def whole(self, c: Output, text: str) -> dict:
+        parts = self.splitter.feed(text, final=True)
         message = {"role": "assistant", "content": parts.content}
         if parts.reasoning:
             message["reasoning_content"] = parts.reasoning
         if parts.tool_calls:
             message["tool_calls"] = [call.openai() for call in parts.tool_calls]
             message["content"] = parts.content if parts.content.strip() else None
-        choice = {"index": index, "logprobs": logprobs_of(c), "message": message}
-        choice["finish_reason"] = finish_reason(c.finish_reason, splitter)
+        choice = {"index": self.index, "logprobs": self.logprobs_of(c), "message": message}
+        choice["finish_reason"] = finish_reason(c.finish_reason, self.splitter)
         choice["token_ids"] = c.token_ids
-        return body("chat.completion", choice)
-
-    return render_delta if stream else render_whole
+        return self.body("chat.completion", choice)

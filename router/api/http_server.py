@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from common.messages import Output
-from router.api.access_log import AccessLog, count_usage
+from router.api.access_log import AccessLog
 from router.api.anthropic_api import anthropic_error_body
 from router.api.anthropic_messages import AnthropicRoutes
+from router.api.api_context import ApiContext
 from router.api.chat_response import chat_renderer, plan_chat
+from router.api.completion_response import CompletionRenderer
 from router.api.constraints import output_grammar
-from router.api.generation import Tokenization, generate_text
-from router.api.model_names import ModelNames
 from router.api.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,14 +34,11 @@ from router.api.openai_api import (
     TokenizeRequest,
     TokenPieces,
     chat_logprobs,
-    completion_logprobs,
     error_body,
     prompt_only,
-    with_prompt,
 )
 from router.api.request_body import field_path
 from router.api.response_assembly import Choice, collect, stream
-from router.metrics import track_finish
 from router.replicas.manager import RequestError, RouterManager
 
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
@@ -69,7 +66,8 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    routes = _Routes(manager, tokenizer, args, metrics)
+    api = ApiContext(manager, tokenizer, args, metrics)
+    routes = _Routes(api)
     app.api_route("/", methods=["GET", "HEAD"])(routes.root)
     app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
     app.get("/v1/models")(routes.models)
@@ -77,7 +75,7 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     app.get("/metrics")(routes.metrics_text)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
-    anthropic = AnthropicRoutes(routes)
+    anthropic = AnthropicRoutes(api)
     app.post("/v1/messages")(anthropic.messages)
     app.post("/v1/messages/count_tokens")(anthropic.count_tokens)
     app.post("/tokenize")(routes.tokenize)
@@ -107,14 +105,12 @@ async def _http_error(request: Request, exc: HTTPException):
 
 
 class _Routes:
-    """The endpoints, over one router manager and tokenizer."""
+    """The OpenAI endpoints and the server's own (health, models, metrics, tokenize), over
+    what every API's routes share (`ApiContext`)."""
 
-    def __init__(self, manager: RouterManager, tokenizer, args, metrics):
-        self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
-        self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
-        self.pieces = TokenPieces(tokenizer)
-        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
-        self.model_name = self.names.reported
+    def __init__(self, api: ApiContext):
+        self.api, self.manager, self.tok = api, api.manager, api.tok
+        self.pieces = TokenPieces(api.tokenizer)
 
     async def health(self):
         """200 while a replica serves; the body says why not, and lists every replica."""
@@ -138,34 +134,30 @@ class _Routes:
         }
 
     async def models(self):
-        return {"object": "list", "data": [self._card(name) for name in self.names.served]}
+        return {"object": "list", "data": [self._card(name) for name in self.api.names.served]}
 
     async def model(self, model_id: str):
         """A served name's card; an alias's is the same model's under the asked-for id."""
         if not model_id:
             raise RequestError("a model id is needed", "model_not_found", 404, param="model")
-        self.names.check(model_id)
+        self.api.names.check(model_id)
         return self._card(model_id)
 
     async def metrics_text(self):
-        if self.metrics is None:
+        if self.api.metrics is None:
             return PlainTextResponse("", media_type="text/plain")
-        body, content_type = self.metrics.render()
+        body, content_type = self.api.metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
     def _check(self, req) -> None:
         """What a completion request needs before its prompt is looked at."""
-        self._check_model(req)
+        self.api.check_model(req)
         problem = req.unsupported()
         if problem:
             raise RequestError(problem, "unsupported_parameter")
 
-    def _check_model(self, req) -> None:
-        self.manager.check_ready()
-        self.names.check(req.model)
-
     async def tokenize(self, req: TokenizeRequest):
-        self._check_model(req)
+        self.api.check_model(req)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if req.messages is not None:
@@ -175,18 +167,11 @@ class _Routes:
         return {"count": len(ids), "max_model_len": self.manager.max_model_len, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest):
-        self._check_model(req)
-        vocab = len(self.tokenizer)
+        self.api.check_model(req)
+        vocab = len(self.api.tokenizer)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise RequestError(f"tokens: token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
-
-    def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
-        """The request's chunks of generated text."""
-        sampling = self.tok.check_ids(ids, sampling, req.invalid)
-        stops = req.stop_strings()
-        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
-        return count_usage(track_finish(chunks, self.metrics, rid))
+        return {"prompt": self.api.tokenizer.decode(req.tokens)}
 
     def _prompts(self, prompt) -> list[list[int]]:
         """The prompt, or each prompt of a batch, as token ids."""
@@ -215,7 +200,7 @@ class _Routes:
             if j and sampling.seed is not None:
                 nth = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)
             sub_rid = rid if total == 1 else f"{rid}-{index}"
-            chunks = self._start(req, ids, nth, sub_rid)  # checks the ids first
+            chunks = self.api.start(req, ids, nth, sub_rid)  # checks the ids first
             render, prefix = render_at(index, ids)  # may decode them (echo)
             choices.append(Choice(chunks, render, index // n, prefix))
         return choices
@@ -234,24 +219,12 @@ class _Routes:
         sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
+        body = partial(self._body, rid, created)
+        logprobs = bool(sampling.logprobs)
+
         def render_at(index: int, ids: list[int]):
-            offset = [0]  # text offset of the next text rendered, for logprobs
-
-            def render(c: Output, text: str) -> dict:
-                lp = None
-                if sampling.logprobs and (c.token_ids or c.prompt_logprobs is not None):
-                    start = offset[0] + len(text) - len(c.text)  # after an echoed prompt
-                    lp = completion_logprobs(
-                        c.token_ids, c.logprobs, c.top_logprobs, self.pieces, start
-                    )
-                    if c.prompt_logprobs is not None:
-                        lp = with_prompt(ids, c.prompt_logprobs, lp, self.pieces)
-                offset[0] += len(text)
-                choice = {"index": index, "text": text, "logprobs": lp}
-                choice["finish_reason"], choice["token_ids"] = c.finish_reason, c.token_ids
-                return self._body(rid, "text_completion", created, choice)
-
-            return render, self.tokenizer.decode(ids) if req.echo else ""
+            render = CompletionRenderer(index, ids, logprobs, self.pieces, body)
+            return render, self.api.tokenizer.decode(ids) if req.echo else ""
 
         choices = self._choices(req, prompts, sampling, rid, render_at)
         if max_new == 0:
@@ -278,20 +251,19 @@ class _Routes:
                 return None
             return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
 
-        def render_at(index: int, _ids: list[int]):
-            def body(kind: str, choice: dict) -> dict:
-                return self._body(rid, kind, created, choice)
+        body = partial(self._body, rid, created)
 
+        def render_at(index: int, _ids: list[int]):
             return chat_renderer(prompt, index, bool(req.stream), body, logprobs_of), ""
 
         return await _respond(req, request, self._choices(req, [ids], sampling, rid, render_at))
 
-    def _body(self, rid: str, kind: str, created: int, choice: dict) -> dict:
+    def _body(self, rid: str, created: int, kind: str, choice: dict) -> dict:
         return {
             "id": rid,
             "object": kind,
             "created": created,
-            "model": self.model_name,
+            "model": self.api.model_name,
             "choices": [choice],
         }
 

@@ -81,7 +81,7 @@ async def first_chunk(request: Request, chunks: AsyncIterator[Output]) -> Output
     try:
         return await _unless_disconnected(request, anext(chunks))
     except BaseException:
-        await _aclose_shielded(chunks)
+        await aclose_shielded(chunks)
         raise
 
 
@@ -99,7 +99,7 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
     except BaseException:
         await _cancel(starts)  # a generator cannot be closed while one of them reads it
         for c in choices:
-            await _aclose_shielded(c.chunks)
+            await aclose_shielded(c.chunks)
         raise
 
     async def events():
@@ -123,9 +123,9 @@ async def stream(request: Request, choices: list[Choice], include_usage: bool):
         except RequestError as exc:
             yield _event(error_body(exc.message, exc.code, exc.status, exc.param))
         finally:
-            await _aclose_shielded(merged)  # its readers stop before their streams close
+            await aclose_shielded(merged)  # its readers stop before their streams close
             for c in choices:
-                await _aclose_shielded(c.chunks)
+                await aclose_shielded(c.chunks)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
@@ -223,10 +223,11 @@ class _closing:
         return self.gen
 
     async def __aexit__(self, *exc):
-        await _aclose_shielded(self.gen)
+        await aclose_shielded(self.gen)
 
 
-async def _aclose_shielded(gen) -> None:
+async def aclose_shielded(gen) -> None:
+    """Close an async generator, even from a cancelled task."""
     with anyio.CancelScope(shield=True):
         await gen.aclose()
 

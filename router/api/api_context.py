@@ -1,0 +1,40 @@
+"""What every API's routes share over one router manager and tokenizer (the OpenAI routes
+in router.api.http_server, the Anthropic ones in router.api.anthropic_messages): the
+tokenization, the model names the server answers to, the check every request passes
+first, and a request's start: its generation, counted in the metrics and the access log."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from common.messages import Output, SamplingParams
+from router.api.access_log import count_usage
+from router.api.generation import Tokenization, generate_text
+from router.api.model_names import ModelNames
+from router.metrics import track_finish
+from router.replicas.manager import RouterManager
+
+
+class ApiContext:
+    """One server's manager, tokenizer, arguments and metrics, and what the routes of
+    every API do alike with them."""
+
+    def __init__(self, manager: RouterManager, tokenizer, args, metrics):
+        self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
+        self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
+        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
+        self.model_name = self.names.reported  # the name responses report
+
+    def check_model(self, req) -> None:
+        """A replica serves, and the request's `model` is one this server answers to."""
+        self.manager.check_ready()
+        self.names.check(req.model)
+
+    def start(
+        self, req, ids: list[int], sampling: SamplingParams, rid: str
+    ) -> AsyncIterator[Output]:
+        """The request's chunks of generated text; the prompt's ids are checked first."""
+        sampling = self.tok.check_ids(ids, sampling, req.invalid)
+        stops = req.stop_strings()
+        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
+        return count_usage(track_finish(chunks, self.metrics, rid))
