@@ -1,7 +1,8 @@
-"""The router's structure, checked on its source: no import circle in router/ (function-level
-and TYPE_CHECKING imports count), and the worker known only by the function the router
-spawns, `worker_mlx.worker.run_worker`, imported where it is spawned (so the router's
-processes never load MLX or the worker's code unless they run a worker)."""
+"""The router's structure, checked on its source: no import circle in router/, among its
+modules or its subsystems (function-level and TYPE_CHECKING imports count), and the worker
+known only by the function the router spawns, `worker_mlx.worker.run_worker`, imported
+where it is spawned: whatever else both sides need lives in common/, so the worker's
+insides can change without the router noticing."""
 
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def test_no_import_circle_in_the_router():
     assert "router.api.http_server" in graph and "router.serving.launcher" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_subsystems_import_each_other_one_way():
+    """No circle among router/'s subpackages and top-level modules either: serving
+    starts the sdk's front door and the api's server, which send through replicas."""
+    graph = import_graph("router")
+    subsystem = {m: ".".join(m.split(".")[:2]) for m in graph}
+    layers: dict[str, set[str]] = {s: set() for s in subsystem.values()}
+    for module, imported in graph.items():
+        layers[subsystem[module]] |= {subsystem[m] for m in imported} - {subsystem[module]}
+    assert {"router.api", "router.replicas"} <= layers["router.serving"]
+    cycle = find_cycle(layers)
+    assert cycle is None, "subsystems in a circle: " + " -> ".join(cycle)
 
 
 def _worker_imports(tree: ast.Module):

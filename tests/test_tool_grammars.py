@@ -20,7 +20,7 @@ from router.api.chat_format import ChatFormat
 from router.api.chat_output import OutputSplitter
 from router.api.constraints import tool_grammar
 from router.api.tool_grammars import FORCEABLE_FORMATS
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 from tests.agent_model import FORMATS, agent_template
 
 LOOKUP = {

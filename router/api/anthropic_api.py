@@ -11,7 +11,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from router.api.request_body import RequestBody
 from router.api.thinking_signature import ThinkingSigner
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 # HTTP status -> Anthropic's error type
 _ERROR_TYPES = {

@@ -23,7 +23,7 @@ from router.api.chat_response import ChatPrompt, plan_chat
 from router.api.constraints import output_grammar
 from router.api.response_assembly import aclose_shielded, first_chunk, whole
 from router.api.thinking_signature import ThinkingSigner
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 _STOP_REASONS = {"length": "max_tokens", "abort": "end_turn"}
 ANTHROPIC_MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1], OpenAI's [0, 2]

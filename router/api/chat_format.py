@@ -18,7 +18,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 _ALIAS = "_radix_mlx_lm"
 

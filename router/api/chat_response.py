@@ -11,7 +11,7 @@ from router.api.chat_format import ChatFormat
 from router.api.chat_output import OutputSplitter, finish_reason
 from router.api.constraints import after_thinking, check_tools, tool_choice, tool_grammar
 from router.api.generation import Tokenization
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 
 @dataclass

@@ -11,7 +11,7 @@ import json
 from common.grammar_spec import GrammarError, check
 from router.api.chat_format import ChatFormat
 from router.api.tool_grammars import forced_call_rules, json_rule
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 
 def output_grammar(response_format: dict | None, regex, ebnf) -> tuple[str, str] | None:

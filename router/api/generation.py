@@ -13,7 +13,8 @@ from typing import Any
 from common.messages import InvalidParam, Output, SamplingParams
 from router.api.chat_format import ChatFormat, template_messages
 from router.api.detokenizer import IncrementalDetokenizer
-from router.replicas.manager import RequestError, RouterManager
+from router.replicas.manager import RouterManager
+from router.request_error import RequestError
 
 # OpenAI's chat roles ("function": its deprecated tool role); any other is a client's bug
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")

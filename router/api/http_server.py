@@ -39,7 +39,8 @@ from router.api.openai_api import (
 )
 from router.api.request_body import field_path
 from router.api.response_assembly import Choice, collect, stream
-from router.replicas.manager import RequestError, RouterManager
+from router.replicas.manager import RouterManager
+from router.request_error import RequestError
 
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
 _ANTHROPIC = "/v1/messages"  # paths of the Anthropic API (its error bodies)

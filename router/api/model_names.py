@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 
 class ModelNames:

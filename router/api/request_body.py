@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from common.messages import InvalidParam
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 
 def field_path(loc: Sequence[str | int]) -> str:

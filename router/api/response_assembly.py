@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from common.messages import Output
 from router.api.openai_api import error_body, usage
 from router.output import OutputAccumulator
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 
 @dataclass

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 
 from common.grammar_spec import JSON_OPTIONS
-from router.replicas.manager import RequestError
+from router.request_error import RequestError
 
 
 def json_rule(schema: dict | bool) -> str:

@@ -43,31 +43,10 @@ from common.protocol import encode
 from common.trace import Trace
 from router.replicas.replica_set import Replica, ReplicaSet, read_scheduler
 from router.replicas.routing import RoundRobin
+from router.request_error import RequestError, unavailable
 
 logger = logging.getLogger("router")
 RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while restarting
-
-
-class RequestError(Exception):
-    """A request the system refused; carries the OpenAI error fields (`param`: the
-    request's field at fault, as the client named it) and HTTP headers."""
-
-    def __init__(
-        self,
-        message: str,
-        code: str = "invalid_request_error",
-        status: int = 400,
-        headers: dict[str, str] | None = None,
-        param: str | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.code, self.status = message, code, status
-        self.headers, self.param = headers, param
-
-
-def unavailable(message: str, retry_after: float | None = None) -> RequestError:
-    headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
-    return RequestError(message, "service_unavailable", 503, headers)
 
 
 @dataclass

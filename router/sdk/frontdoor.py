@@ -34,7 +34,8 @@ from common.protocol import ProtocolError, decode, encode, peek_rid
 from router.api.generation import Tokenization, generate_text
 from router.metrics import track_finish
 from router.output import OutputAccumulator
-from router.replicas.manager import RequestError, RouterManager
+from router.replicas.manager import RouterManager
+from router.request_error import RequestError
 
 logger = logging.getLogger("router")
 PROBE_INTERVAL = 1.0  # seconds between liveness probes of clients with requests in progress
