@@ -33,6 +33,7 @@ from common.log import run_logged
 from common.server_args import ServerArgs
 from router.serving.standby import Standbys
 from router.serving.stop_signals import start_quietly
+from router.serving.worker_group import launched_spec, local_group
 
 logger = logging.getLogger("router")
 CHECK_INTERVAL = 0.1  # seconds between liveness checks: a death is noticed well within 1 s
@@ -92,8 +93,6 @@ class Children:
     def _group(self) -> list:
         """The specs of the ranks this machine runs: all of them (a loopback ring), or
         rank 0 alone under mlx.launch (--dist-hostfile; the others run elsewhere)."""
-        from router.serving.worker_group import launched_spec, local_group
-
         if self.args.dist_hostfile:
             return [launched_spec(self.args, 0)]
         if self.group_dir is None:
