@@ -25,6 +25,7 @@ from common.messages import (
     WorkerError,
     WorkerReady,
 )
+from common.cache_salt import namespaced_key, salt_namespace
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
@@ -82,6 +83,8 @@ class Scheduler:
             self.outputs.append(ReqError(msg.rid, error[1], code=error[0]))
             return
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
+        req.namespace = salt_namespace(msg.cache_salt)
+        req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
@@ -403,8 +406,8 @@ class Scheduler:
         paths, self.kv.tree.evicted_paths = self.kv.tree.evicted_paths, []
         if not paths:
             return []
-        reqs = self.waiting + self.holders()
-        return [p for p in paths if not any(r.input_ids[: len(p)] == p for r in reqs)]
+        keys = [namespaced_key(r.input_ids, r.namespace) for r in self.waiting + self.holders()]
+        return [p for p in paths if not any(key[: len(p)] == p for key in keys)]
 
     def holders(self) -> list[Req]:
         """Requests that hold slots in ReqToTokenPool."""
@@ -416,3 +419,4 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending_release)
+
