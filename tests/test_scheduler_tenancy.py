@@ -47,8 +47,9 @@ def test_priority_prefix_is_evicted_last():
     serve(s, "marked", marked, priority_prefix_len=30)
     serve(s, "other", other)  # more recent, yet unmarked: it goes first
     # each request cached its prompt and its first output token; the unmarked tokens go
-    assert s.kv.tree.evict(1) == len(marked) + 1 - 30  # the older: marked's unmarked tail
-    assert s.kv.tree.evict(1) == len(other) + 1
+    tail = len(marked) + 1 - 30
+    assert s.kv.tree.evict(tail) == tail  # the older: marked's unmarked tail
+    assert s.kv.tree.evict(1) == 1 and s.kv.tree.evict(len(other)) == len(other)
     assert serve(s, "marked2", marked) == 30
     assert serve(s, "other2", other) == 0
     s.check_invariants()
