@@ -169,6 +169,14 @@ class ServerArgs:
         "rather than cut it to fit",
         commands=SERVE,
     )
+    cache_salt_header: str | None = flag(
+        None,
+        "an HTTP header a gateway sets to the tenant's cache salt; when a request has it, it "
+        "overrides the body's cache_salt (only requests with the same salt share cached "
+        "prefixes; an empty value is the shared cache)",
+        metavar="NAME",
+        commands=SERVE,
+    )
     watchdog_timeout: float = flag(
         300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
     )

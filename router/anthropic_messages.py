@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from common.messages import Output, SamplingParams
 from router.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body
+from router.cache_control import marked_prefix_len
 from router.chat_output import OutputSplitter, Parts, ToolCall
 from router.chat_response import ChatPrompt, plan_chat
 from router.constraints import output_grammar
@@ -68,7 +69,8 @@ class AnthropicRoutes:
                 param="temperature",
             )
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        chunks = self.routes._start(req, ids, sampling, rid)
+        priority = marked_prefix_len(self.routes.tok, req, ids)  # cache_control breakpoints
+        chunks = self.routes._start(req, ids, sampling, rid, priority)
         message = _Message(rid, self.routes.model_name, prompt, req.stop_strings(), self.routes)
         if not req.stream:
             return message.body(await whole(request, chunks), self.signer)

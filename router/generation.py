@@ -151,12 +151,16 @@ async def generate_text(
     sampling: SamplingParams,
     stop: list[str] | None = None,
     rid: str | None = None,
+    cache_salt: str = "",
+    priority_len: int = 0,
 ) -> AsyncIterator[Output]:
     """Stream chunks (an Output each: new text and token ids, usage so far); a stop string
-    ends the request early (and aborts it upstream)."""
+    ends the request early (and aborts it upstream). `cache_salt` and `priority_len`: see
+    common.messages.GenerateReq."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
-    async with contextlib.aclosing(manager.generate(input_ids, sampling, rid)) as outs:
+    outs = manager.generate(input_ids, sampling, rid, cache_salt, priority_len)
+    async with contextlib.aclosing(outs):
         async for chunk in outs:
             for out in _per_token(chunk) if matcher.stops else [chunk]:
                 text, finish, hit = _text_of(out, detok, matcher)

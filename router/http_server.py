@@ -23,6 +23,7 @@ from common.messages import Output
 from router.access_log import AccessLog, count_usage
 from router.anthropic_api import anthropic_error_body
 from router.anthropic_messages import AnthropicRoutes
+from router.cache_salt_header import SaltHeader, request_salt
 from router.chat_response import chat_renderer, plan_chat
 from router.constraints import output_grammar
 from router.generation import Tokenization, generate_text
@@ -65,6 +66,8 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
             CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
+    if args.cache_salt_header:
+        app.add_middleware(SaltHeader, header=args.cache_salt_header)
     app.add_middleware(AccessLog)  # outermost: it sees every answer, the guard's and CORS's
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -181,11 +184,17 @@ class _Routes:
             raise RequestError(f"tokens: token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
-        """The request's chunks of generated text."""
+    def _start(
+        self, req, ids: list[int], sampling, rid: str, priority_len: int = 0
+    ) -> AsyncIterator[Output]:
+        """The request's chunks of generated text; it shares cached prefixes only under its
+        cache salt, and keeps its first `priority_len` tokens cached ahead of others."""
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
-        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
+        salt = request_salt(req.cache_salt)
+        chunks = generate_text(
+            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len
+        )
         return count_usage(track_finish(chunks, self.metrics, rid))
 
     def _prompts(self, prompt) -> list[list[int]]:

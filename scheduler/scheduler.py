@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from common.cache_salt import namespaced_key, salt_namespace
 from common.messages import (
     AbortReq,
     DecodeBatch,
@@ -25,7 +26,6 @@ from common.messages import (
     WorkerError,
     WorkerReady,
 )
-from common.cache_salt import namespaced_key, salt_namespace
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
@@ -419,4 +419,3 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending_release)
-
