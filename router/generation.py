@@ -13,6 +13,7 @@ from typing import Any
 from common.messages import InvalidParam, Output, SamplingParams
 from router.chat_format import ChatFormat, template_messages
 from router.detokenizer import IncrementalDetokenizer
+from router.generic_tools import generic_chat
 from router.manager import RequestError, RouterManager
 
 # OpenAI's chat roles ("function": its deprecated tool role); any other is a client's bug
@@ -50,6 +51,8 @@ class Tokenization:
         arguments (`chat_template_kwargs`, thinking on by default where the model thinks)."""
         kwargs = self.chat_format.template_kwargs(template_kwargs)
         chat = template_messages(text_messages(messages))
+        if self.chat_format.generic_tools:  # the template knows no tools: written in here
+            chat, tools = generic_chat(chat, tools), None
         try:
             return self.tokenizer.apply_chat_template(
                 chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
