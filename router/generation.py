@@ -51,8 +51,18 @@ class Tokenization:
         arguments (`chat_template_kwargs`, thinking on by default where the model thinks)."""
         kwargs = self.chat_format.template_kwargs(template_kwargs)
         chat = template_messages(text_messages(messages))
-        if self.chat_format.generic_tools:  # the template knows no tools: written in here
-            chat, tools = generic_chat(chat, tools), None
+        if not self.chat_format.generic_tools:
+            return self._render(chat, tools, kwargs)
+        # the template knows no tools: they are written into the chat, in a system message
+        # or, for a template that refuses one (Gemma 2's, Mistral v0.1's), the first turn
+        try:
+            return self._render(generic_chat(chat, tools), None, kwargs)
+        except RequestError:
+            if not tools:
+                raise
+            return self._render(generic_chat(chat, tools, in_system=False), None, kwargs)
+
+    def _render(self, chat: list[dict], tools, kwargs: dict) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs

@@ -49,31 +49,38 @@ def call_text(function: dict) -> str:
     return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
 
 
-def generic_chat(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+def generic_chat(
+    messages: list[dict], tools: list[dict] | None, in_system: bool = True
+) -> list[dict]:
     """`messages` (OpenAI's, text contents) with the tools, calls and results written in
-    as text, for a template that renders none of them."""
+    as text, for a template that renders none of them; the tools' block goes in the
+    system message, or (`in_system` False) before the first message's text."""
     out: list[dict] = []
+    results = False  # the last turn is tool results: the next one joins it
     for message in messages:
-        role = message["role"]
-        if role in ("tool", "function"):
+        if message["role"] in ("tool", "function"):
             result = f"<tool_response>\n{message['content']}\n</tool_response>"
-            if out and out[-1].get("_results"):  # consecutive results: one user turn
+            if results:
                 out[-1]["content"] += "\n" + result
             else:
-                out.append({"role": "user", "content": result, "_results": True})
+                out.append({"role": "user", "content": result})
+            results = True
             continue
+        results = False
         calls = [c.get("function", c) for c in message.get("tool_calls") or []]
         message = {k: v for k, v in message.items() if k != "tool_calls"}
         if calls:
             texts = [message["content"]] if message["content"] else []
             message["content"] = "\n".join(texts + [call_text(f) for f in calls])
         out.append(message)
-    for message in out:
-        message.pop("_results", None)
-    if tools:
-        block = tools_block(tools)
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}".lstrip()}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
+    return _with_tools(out, tools, in_system) if tools else out
+
+
+def _with_tools(chat: list[dict], tools: list[dict], in_system: bool) -> list[dict]:
+    block = tools_block(tools)
+    first = chat[0] if chat else None
+    if first is not None and first["role"] in ("system", "developer"):
+        return [{**first, "content": f"{first['content']}\n\n{block}".lstrip()}, *chat[1:]]
+    if first is not None and not in_system:
+        return [{**first, "content": f"{block}\n\n{first['content']}".rstrip()}, *chat[1:]]
+    return [{"role": "system", "content": block}, *chat]
