@@ -38,6 +38,11 @@ class GenerateReq:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    # Only requests with the same salt share cached prefixes (common/cache_salt.py).
+    cache_salt: str = ""
+    # The prompt's first tokens to keep cached ahead of others (Anthropic's cache_control
+    # breakpoints: up to the end of the last marked block).
+    priority_prefix_len: int = 0
 
 
 @dataclass

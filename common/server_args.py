@@ -169,6 +169,30 @@ class ServerArgs:
         "rather than cut it to fit",
         commands=SERVE,
     )
+    chat_template: str | None = flag(
+        None,
+        "a Jinja chat template file used instead of the tokenizer's (it also decides the "
+        "thinking switch and the tool format detected)",
+        metavar="FILE",
+        commands=SERVE,
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        "the tool-call format: one of mlx-lm's tool parsers (json_tools, mistral, "
+        "qwen3_coder, ...) or 'generic' (tools written into the chat by radix-mlx, the "
+        "default for templates that name no format; see the README) instead of the one "
+        "detected from the chat template",
+        metavar="NAME",
+        commands=SERVE,
+    )
+    cache_salt_header: str | None = flag(
+        None,
+        "an HTTP header a gateway sets to the tenant's cache salt; when a request has it, it "
+        "overrides the body's cache_salt (only requests with the same salt share cached "
+        "prefixes; an empty value is the shared cache)",
+        metavar="NAME",
+        commands=SERVE,
+    )
     watchdog_timeout: float = flag(
         300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
     )

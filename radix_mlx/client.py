@@ -88,8 +88,11 @@ class StreamChunk:
 
 
 def _request(
-    stream: bool, text=None, input_ids=None, messages=None, rid=None, **sampling: Any
-) -> ClientGenerate:
+    stream: bool, text=None, input_ids=None, messages=None, rid=None, cache_salt=None,
+    **sampling: Any,
+) -> ClientGenerate:  # fmt: skip
+    """The request; `cache_salt` (any call's keyword): only requests with the same salt
+    share cached prompt prefixes (vLLM's field)."""
     unknown = set(sampling) - _SAMPLING_NAMES
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
@@ -100,6 +103,7 @@ def _request(
         input_ids=list(input_ids) if input_ids is not None else None,
         messages=messages,
         stream=stream,
+        cache_salt=cache_salt,
     )
 
 

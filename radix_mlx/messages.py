@@ -129,6 +129,8 @@ class ClientGenerate:
     messages: list[dict[str, Any]] | None = None
     stream: bool = False
     api_key: str | None = None  # required when the server runs with --api-key
+    # only requests with the same salt share cached prompt prefixes (vLLM's cache_salt)
+    cache_salt: str | None = None
 
 
 @dataclass

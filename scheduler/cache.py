@@ -68,14 +68,18 @@ class KVCacheManager:
         """Share of the pool held by running requests (locked or owned), not by idle cache."""
         return 1.0 - self.budget() / self.capacity
 
-    def _match(self, fill: list[int]) -> MatchResult:
-        """The usable cached prefix of `fill`, leaving at least one token to compute."""
+    def _match(self, req: Req) -> MatchResult:
+        """The usable cached prefix of `req`'s fill tokens in its namespace (its cache salt's),
+        leaving at least one token to compute."""
+        fill = req.fill_ids
         head = fill[: len(fill) - 1]
-        return self.tree.match_snapshot(head) if self.states else self.tree.match_prefix(head)
+        if self.states:
+            return self.tree.match_snapshot(head, req.namespace)
+        return self.tree.match_prefix(head, req.namespace)
 
     def match(self, req: Req) -> list[int]:
         """Prefix slots for `req`'s fill tokens, leaving at least one token to compute."""
-        return self._match(req.fill_ids).slot_ids
+        return self._match(req).slot_ids
 
     def alloc(self, n: int) -> list[int] | None:
         """n fresh slots, evicting least-recently-used cache when short."""
@@ -113,7 +117,7 @@ class KVCacheManager:
 
     def _admit_first(self, req: Req, max_new: int) -> Admission | None:
         fill = req.fill_ids
-        m = self._match(fill)
+        m = self._match(req)
         self.tree.inc_lock_ref(m.last_node)
         # Every chunk must fit once the prefix is locked (the admission budget counted it as
         # evictable): a half-prefilled request cannot be retracted to make room.
@@ -181,20 +185,20 @@ class KVCacheManager:
             return
         slots = self.req_to_token.get(req.rid)
         tokens = req.fill_ids[: req.num_computed]
-        done = self.tree.insert(tokens, slots[: req.num_computed])
+        done = self.tree.insert(tokens, slots[: req.num_computed], req.namespace)
         req.dup_slots += slots[req.cache_len : done]
-        m = self.tree.match_prefix(tokens)
+        m = self.tree.match_prefix(tokens, req.namespace)
         self.tree.inc_lock_ref(m.last_node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
         for at, slot in req.pending_snapshots:
-            self._attach(tokens[:at], slot)
+            self._attach(tokens[:at], slot, req.namespace)
         req.pending_snapshots = []
 
-    def _attach(self, tokens: list[int], slot: int) -> bool:
+    def _attach(self, tokens: list[int], slot: int, namespace: int) -> bool:
         """Hand `slot` to the trie node ending after `tokens`, or free it (False) if that
         node already has a snapshot (or is not there)."""
-        if self.tree.attach_snapshot(tokens, slot):
+        if self.tree.attach_snapshot(tokens, slot, namespace):
             return True
         self.states.free([slot])
         return False
@@ -223,10 +227,12 @@ class KVCacheManager:
         req.dup_slots = []
         if keep:
             tokens = req.fill_ids[: len(slots)]
-            done = self.tree.insert(tokens, slots)
+            done = self.tree.insert(tokens, slots, req.namespace)
             self.allocator.free(slots[req.cache_len : done])
-            if snapshot and not self._attach(tokens, snapshot):
+            if snapshot and not self._attach(tokens, snapshot, req.namespace):
                 snapshot = 0
+            # the prompt's cache_control prefix (Anthropic's breakpoints) outlasts the rest
+            self.tree.mark_priority(tokens[: req.priority_len], req.namespace)
         else:
             self.allocator.free(slots[req.cache_len :])
         self.tree.dec_lock_ref(req.last_node)

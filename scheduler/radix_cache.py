@@ -9,6 +9,18 @@ pressure. Running requests ``inc_lock_ref`` the node their prefix ends at so it 
 For models with recurrent layers a node may also hold a ``snapshot``: a state slot (owned by the
 tree like its KV slots) holding the recurrent state after the tokens from the root to the node's
 end. Such a model can only resume at a node with a snapshot (``match_snapshot``).
+
+Namespaces (cache salts, ``common/cache_salt.py``): a salted request's tokens hang under a
+namespace node, a child of the root whose key is the salt's negative namespace int and which
+holds no slot (its ``value`` is empty), so requests of different salts never share a node. All
+sizes count slots (``len(value)``), not keys. An empty namespace node is an evictable leaf of no
+tokens: eviction removes it like any other, and reports its path (``[namespace]``) so the
+router drops the whole namespace from its guess.
+
+Priority (Anthropic ``cache_control`` breakpoints): ``mark_priority`` flags the nodes of a prefix;
+eviction takes unflagged leaves first, least recently used first within each class. A flagged
+node's ancestors are always flagged (a flag covers a prefix from the root), so every unflagged
+node can go before any flagged one does. Flags last as long as their nodes.
 """
 
 from __future__ import annotations
@@ -23,10 +35,13 @@ from scheduler.memory_pool import TokenToKVPoolAllocator
 
 
 class TreeNode:
-    """One edge of the tree: ``key`` tokens and their KV ``value`` slots (same length), and
-    optionally the state slot ``snapshot`` holding the recurrent state at the node's end."""
+    """One edge of the tree: ``key`` tokens and their KV ``value`` slots (same length; a
+    namespace node has a key of one namespace int and no slot), optionally the state slot
+    ``snapshot`` holding the recurrent state at the node's end, and its eviction class
+    ``priority`` (1: in a marked prefix, kept ahead of unmarked nodes)."""
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id", "snapshot")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id", "snapshot",
+                 "priority")  # fmt: skip
 
     def __init__(self, node_id: int, key: list[int], value: list[int], parent: TreeNode | None):
         self.id = node_id
@@ -37,6 +52,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.snapshot: int | None = None
+        self.priority = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
@@ -105,41 +121,66 @@ class RadixCache:
 
     # ---- lookup / insert ----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Find the longest cached prefix of ``token_ids`` and refresh its recency.
+    def match_prefix(self, token_ids: Sequence[int], namespace: int = 0) -> MatchResult:
+        """Find the longest cached prefix of ``token_ids`` (in ``namespace``: 0 for the shared
+        cache, else a salt's, see common/cache_salt.py) and refresh its recency.
 
         A match ending inside an edge splits that edge so ``last_node`` ends exactly at the match
         (the caller can then lock precisely the matched tokens).
         """
-        if self.disable:
+        start = None if self.disable else self._namespace(namespace, create=False)
+        if start is None:
             return MatchResult([], self.root)
         slots: list[int] = []
-        node, _ = self._walk(_as_list(token_ids), slots)
+        node, _ = self._walk(_as_list(token_ids), slots, start)
         return MatchResult(slots, node)
 
-    def match_snapshot(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_snapshot(self, token_ids: Sequence[int], namespace: int = 0) -> MatchResult:
         """The longest cached prefix of ``token_ids`` that ends at a node with a snapshot: the
         deepest such node on the matched path (the root, with nothing, if there is none)."""
-        m = self.match_prefix(token_ids)
+        m = self.match_prefix(token_ids, namespace)
         node, n = m.last_node, len(m.slot_ids)
         while node is not self.root and node.snapshot is None:
-            n -= len(node.key)
+            n -= len(node.value)
             node = node.parent
         return MatchResult(m.slot_ids[:n], node, node.snapshot or 0, len(m.slot_ids))
 
-    def attach_snapshot(self, token_ids: Sequence[int], slot: int) -> bool:
+    def attach_snapshot(self, token_ids: Sequence[int], slot: int, namespace: int = 0) -> bool:
         """Give the node ending exactly after ``token_ids`` (split there if need be) the state
         slot ``slot``. False, taking nothing, if those tokens are not all cached or that node
         already has a snapshot: the caller still owns ``slot`` then."""
         if self.disable or not token_ids:
             return False
-        m = self.match_prefix(token_ids)
+        m = self.match_prefix(token_ids, namespace)
         if len(m.slot_ids) != len(token_ids) or m.last_node.snapshot is not None:
             return False
         m.last_node.snapshot = slot
         return True
 
-    def insert(self, token_ids: Sequence[int], slot_ids: Sequence[int]) -> int:
+    def mark_priority(self, token_ids: Sequence[int], namespace: int = 0) -> int:
+        """Flag the cached part of the prefix ``token_ids`` (split where it ends) so eviction
+        keeps it ahead of unflagged nodes; returns how many of its tokens were cached."""
+        if self.disable or not token_ids:
+            return 0
+        m = self.match_prefix(token_ids, namespace)
+        node = m.last_node
+        while node is not self.root and not node.priority:
+            node.priority = 1
+            node = node.parent
+        return len(m.slot_ids)
+
+    def _namespace(self, namespace: int, create: bool) -> TreeNode | None:
+        """The node a namespace's sequences hang under: the root for 0, else the root's child
+        keyed by the namespace int, made if ``create`` (None if absent and not made)."""
+        if not namespace:
+            return self.root
+        node = self.root.children.get(namespace)
+        if node is None and create:
+            node = TreeNode(next(self._ids), [namespace], [], self.root)
+            self.root.children[namespace] = node
+        return node
+
+    def insert(self, token_ids: Sequence[int], slot_ids: Sequence[int], namespace: int = 0) -> int:
         """Cache ``token_ids`` with their KV ``slot_ids``; return how many were already cached.
 
         The tree takes ownership of ``slot_ids[r:]`` where r is the return value. The caller keeps
@@ -151,23 +192,26 @@ class RadixCache:
         if self.disable:
             return len(token_ids)
         tokens = _as_list(token_ids)
-        node, matched = self._walk(tokens, None)
+        node, matched = self._walk(tokens, None, self._namespace(namespace, create=True))
         if matched < len(tokens):
             leaf = TreeNode(next(self._ids), tokens[matched:], list(slot_ids[matched:]), node)
             leaf.last_access = node.last_access
             node.children[tokens[matched]] = leaf
-            self._evictable += len(leaf.key)
+            self._evictable += len(leaf.value)
         return matched
 
-    def _walk(self, tokens: list[int], slots: list[int] | None) -> tuple[TreeNode, int]:
-        """Descend along ``tokens`` splitting a partially matched edge; refresh recency.
+    def _walk(
+        self, tokens: list[int], slots: list[int] | None, start: TreeNode
+    ) -> tuple[TreeNode, int]:
+        """Descend from ``start`` (the root or a namespace node) along ``tokens`` splitting a
+        partially matched edge; refresh recency.
 
         Returns the deepest node reached and the number of tokens matched; appends the matched
         slots to ``slots`` if given.
         """
         now = next(self._clock)
-        node = self.root
-        node.last_access = now
+        self.root.last_access = start.last_access = now
+        node = start
         i, n = 0, len(tokens)
         while i < n:
             child = node.children.get(tokens[i])
@@ -199,6 +243,7 @@ class RadixCache:
         upper = TreeNode(next(self._ids), child.key[:k], child.value[:k], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.priority = child.priority
         child.key = child.key[k:]
         child.value = child.value[k:]
         child.parent = upper
@@ -212,8 +257,8 @@ class RadixCache:
         """Protect ``node`` and its ancestors from eviction (one count per caller)."""
         while node is not self.root:
             if node.lock_ref == 0:
-                self._evictable -= len(node.key)
-                self._protected += len(node.key)
+                self._evictable -= len(node.value)
+                self._protected += len(node.value)
             node.lock_ref += 1
             assert node.parent is not None
             node = node.parent
@@ -226,8 +271,8 @@ class RadixCache:
         while node is not self.root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._evictable += len(node.key)
-                self._protected -= len(node.key)
+                self._evictable += len(node.value)
+                self._protected -= len(node.value)
             assert node.parent is not None
             node = node.parent
 
@@ -235,7 +280,8 @@ class RadixCache:
 
     def evict(self, num_tokens: int, num_snapshots: int = 0) -> int:
         """Free at least ``num_tokens`` tokens and ``num_snapshots`` snapshots (if possible)
-        from LRU unlocked leaves.
+        from unlocked leaves: unflagged ones first (see ``mark_priority``), least recently used
+        first within each class.
 
         Slots go back to their allocators. A parent left childless and unlocked becomes a
         candidate in the same call. Returns the number of tokens freed. Cost is O(nodes) to
@@ -243,12 +289,12 @@ class RadixCache:
         """
         if self.disable or (num_tokens <= 0 and num_snapshots <= 0):
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._evictable_leaves()]
+        heap = [(n.priority, n.last_access, n.id, n) for n in self._evictable_leaves()]
         heapq.heapify(heap)
         freed = snapshots = 0
         removed: dict[int, tuple[TreeNode, int]] = {}  # node id -> (its parent, first token)
         while (freed < num_tokens or snapshots < num_snapshots) and heap:
-            _, _, node = heapq.heappop(heap)
+            node = heapq.heappop(heap)[-1]
             parent = node.parent
             assert parent is not None
             removed[node.id] = (parent, node.key[0])
@@ -256,12 +302,12 @@ class RadixCache:
             if node.snapshot is not None:
                 self._free_snapshots([node.snapshot])
                 snapshots += 1
-            freed += len(node.key)
-            self._evictable -= len(node.key)
+            freed += len(node.value)
+            self._evictable -= len(node.value)
             del parent.children[node.key[0]]
             node.parent = None
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                heapq.heappush(heap, (parent.priority, parent.last_access, parent.id, parent))
         if self.evicted_paths is not None:
             self._report(removed)
         return freed
@@ -274,7 +320,7 @@ class RadixCache:
                 self.evicted_paths.append(self.path_to(parent) + [first])
 
     def path_to(self, node: TreeNode) -> list[int]:
-        """The tokens from the root to the end of `node`."""
+        """The tokens from the root to the end of `node` (behind its namespace int, if any)."""
         keys = []
         while node is not self.root:
             keys.append(node.key)
@@ -327,6 +373,7 @@ class RadixCache:
         while stack:
             node, depth = stack.pop()
             snap = "" if node.snapshot is None else f" snapshot={node.snapshot}"
+            snap += " priority" if node.priority else ""
             lines.append(
                 f"{'  ' * depth}{node.key} lock={node.lock_ref} t={node.last_access}{snap}"
             )

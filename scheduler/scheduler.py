@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from common.cache_salt import namespaced_key, salt_namespace
 from common.messages import (
     AbortReq,
     DecodeBatch,
@@ -82,6 +83,8 @@ class Scheduler:
             self.outputs.append(ReqError(msg.rid, error[1], code=error[0]))
             return
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
+        req.namespace = salt_namespace(msg.cache_salt)
+        req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
@@ -403,8 +406,8 @@ class Scheduler:
         paths, self.kv.tree.evicted_paths = self.kv.tree.evicted_paths, []
         if not paths:
             return []
-        reqs = self.waiting + self.holders()
-        return [p for p in paths if not any(r.input_ids[: len(p)] == p for r in reqs)]
+        keys = [namespaced_key(r.input_ids, r.namespace) for r in self.waiting + self.holders()]
+        return [p for p in paths if not any(key[: len(p)] == p for key in keys)]
 
     def holders(self) -> list[Req]:
         """Requests that hold slots in ReqToTokenPool."""

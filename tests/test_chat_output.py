@@ -136,9 +136,29 @@ def test_agent_template_is_inferred_as_json_tools(agent_model):
     assert not f.starts_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_tiny_model_has_no_tools_and_no_thinking(tiny_model):
+def test_tiny_model_takes_generic_tools_and_has_no_thinking(tiny_model):
     from transformers import AutoTokenizer
 
     f = ChatFormat.of(AutoTokenizer.from_pretrained(tiny_model))
-    assert not f.has_tools and f.think_start is None
+    assert f.generic_tools and f.tool_parser_type == "json_tools" and f.think_start is None
     assert f.template_kwargs({"x": 1}) == {"x": 1, "enable_thinking": False}
+
+
+def test_tool_call_parser_flag_overrides_detection(tiny_model, agent_model):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from router.api.chat_overrides import apply_chat_overrides
+
+    tiny = AutoTokenizer.from_pretrained(tiny_model)
+    apply_chat_overrides(tiny, SimpleNamespace(tool_call_parser="mistral"), None)
+    f = ChatFormat.of(tiny)
+    assert (f.tool_parser_type, f.tool_call_start, f.generic_tools) == (
+        "mistral",
+        "[TOOL_CALLS]",
+        False,
+    )
+    agent = AutoTokenizer.from_pretrained(agent_model)  # its template: json_tools
+    apply_chat_overrides(agent, SimpleNamespace(tool_call_parser="generic"), None)
+    assert ChatFormat.of(agent).generic_tools

@@ -10,10 +10,11 @@ import os
 import socket
 import subprocess
 
+import httpx
 import pytest
 
 from common.server_args import ServerArgs
-from tests.server import RADIX_MLX
+from tests.server import RADIX_MLX, ServerProcess
 
 
 def _run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -112,3 +113,54 @@ def test_a_replica_refuses_a_listen_address_in_use(tiny_model):
     assert out.returncode == 2, out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert f"--listen: cannot listen on 127.0.0.1:{held}: the address is already in use" in line
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--tool-call-parser", "nope"], "--tool-call-parser 'nope' is unknown; choose one of: "),
+        (["--chat-template", "{missing}"], "cannot read it: No such file or directory"),
+        (["--chat-template", "{bad}"], "not a Jinja template (line 1)"),
+    ],
+    ids=["parser", "missing-template", "bad-template"],
+)
+def test_chat_overrides_are_checked_in_one_line_before_the_model_loads(
+    tiny_model, tmp_path, flags, needle
+):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in %}{{ m }}")
+    argv = [f.format(missing=tmp_path / "none.jinja", bad=bad) for f in flags]
+    out = _run("serve", "--model-path", tiny_model, *argv)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert needle in line
+    if "parser" in flags[0]:
+        assert "generic" in line and "json_tools" in line and "qwen3_coder" in line
+
+
+@pytest.mark.slow
+def test_a_chat_template_file_and_a_tool_parser_replace_the_model_s(tiny_model, tmp_path):
+    """The served chat renders with the file's template; with it, mlx-lm would detect
+    the json_tools format, which --tool-call-parser generic overrides (the tools are in
+    the system text the router writes, not in the template's own tools section)."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% if tools %}TEMPLATE-TOOLS <tool_call>{{ tool_call.name }}{% endif %}"
+        "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:{% endif %}"
+    )
+    extra = ["--chat-template", str(template), "--tool-call-parser", "generic"]
+    server = ServerProcess(tiny_model, tmp_path / "log", extra=extra)
+    server.start()
+    try:
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+                "tool_choice": "required", "max_tokens": 60, "temperature": 0}  # fmt: skip
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+        ids = httpx.post(server.url + "/tokenize", json={"messages": body["messages"]}).json()
+        text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}).json()
+        assert text["prompt"] == "### user: hi\n### assistant:"
+    finally:
+        server.stop()

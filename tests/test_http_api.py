@@ -278,7 +278,7 @@ def test_errors_surface_as_openai_exceptions(server, oai):
     cases = [
         (openai.NotFoundError, "does not exist", dict(model="gpt-4")),
         (openai.BadRequestError, "1 to 64 choices (prompts x n), not 65", dict(n=65)),
-        (openai.BadRequestError, "no tool-call format", dict(tools=[_TOOL])),
+        (openai.BadRequestError, "must be a function tool", dict(tools=[{"type": "x"}])),
         (
             openai.BadRequestError,
             "response_format.type must be",
@@ -301,9 +301,6 @@ def test_errors_surface_as_openai_exceptions(server, oai):
         oai.completions.create(model="", prompt=[1, 2, 100000], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="context_length_exceeded|context length"):
         oai.completions.create(model="", prompt=[5] * 8192, max_tokens=1)
-
-
-_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 # ---------------------------------------------------------------- malformed bodies (httpx)
@@ -350,7 +347,7 @@ def test_malformed_bodies_get_openai_errors(server):
         (chat, {"messages": []}, 400, "messages"),
         (chat, {"messages": "hi"}, 400, "messages"),
         (chat, {"messages": hi, "max_completion_tokens": "x"}, 400, "max_completion_tokens"),
-        (chat, {"messages": hi, "tools": [_TOOL]}, 400, "no tool-call format"),
+        (chat, {"messages": hi, "tools": [{"type": "x"}]}, 400, "must be a function tool"),
         (chat, {"messages": hi, "response_format": {"type": "json_schema"}}, 400, "'schema'"),
         (chat, {"messages": hi, "n": -1}, 400, "choices (prompts x n)"),
         (chat, {"messages": hi, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),

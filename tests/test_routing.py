@@ -12,6 +12,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.cache_salt import salt_namespace, salted_key
 from common.messages import SchedulerReady
 from router.replicas.approx_tree import PRUNE_TO, ApproxTree
 from router.replicas.replica_set import Replica, ReplicaSet
@@ -113,6 +114,35 @@ def test_the_scheduler_trie_s_evicted_paths_make_the_router_tree_exact(seqs, evi
         tree.remove(path)
     assert tree.match(query) == len(cache.match_prefix(query).slot_ids)
     assert tree.size == cache.total_size()
+
+
+SALTS = st.sampled_from(["", "a", "b"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(SALTS, SEQS.map(lambda x: x[0] if x else ())), max_size=30),
+       st.integers(1, 60), SALTS, st.lists(st.integers(0, 3), max_size=14))  # fmt: skip
+def test_salted_prompts_match_only_their_salt_in_both_trees(items, evict, salt, query):
+    """As above with cache salts: the router keys a salted prompt behind its namespace int
+    as the trie does, so neither claims a hit across salts, before or after evictions."""
+    allocator = TokenToKVPoolAllocator(2048)
+    cache = RadixCache(allocator, report_evictions=True)
+    tree = ApproxTree(max_tokens=10**9)
+    for item_salt, s in items:
+        if s:
+            cache.insert(list(s), allocator.alloc(len(s)), salt_namespace(item_salt))
+            tree.insert(tuple(salted_key(list(s), item_salt)))
+    for when in ("before", "after"):
+        held = [s for item_salt, s in items if item_salt == salt]
+        expected = max((_lcp(s, query) for s in held), default=0)
+        got = len(cache.match_prefix(query, salt_namespace(salt)).slot_ids)
+        assert got == expected or when == "after"
+        routed = tree.match(tuple(salted_key(query, salt))) - (1 if salt else 0)
+        assert max(routed, 0) == got, when
+        cache.evict(evict)
+        for path in cache.evicted_paths:
+            tree.remove(path)
+        cache.evicted_paths.clear()
 
 
 def _replicas(n: int, slots: int = 10_000) -> list[Replica]:

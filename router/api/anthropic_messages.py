@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from common.messages import Output, SamplingParams
 from router.api.anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body
 from router.api.api_context import ApiContext
+from router.api.cache_control import marked_prefix_len
 from router.api.chat_output import OutputSplitter, Parts, ToolCall
 from router.api.chat_response import ChatPrompt, plan_chat
 from router.api.constraints import output_grammar
@@ -69,7 +70,8 @@ class AnthropicRoutes:
                 param="temperature",
             )
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        chunks = self.api.start(req, ids, sampling, rid)
+        priority = marked_prefix_len(self.api.tok, req, ids)  # cache_control breakpoints
+        chunks = self.api.start(req, ids, sampling, rid, priority)
         message = _Message(rid, self.api.model_name, prompt, req.stop_strings(), self.api.tokenizer)
         if not req.stream:
             return message.body(await whole(request, chunks), self.signer)

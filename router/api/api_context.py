@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from common.messages import Output, SamplingParams
 from router.api.access_log import count_usage
+from router.api.cache_salt_header import request_salt
 from router.api.generation import Tokenization, generate_text
 from router.api.model_names import ModelNames
 from router.metrics import track_finish
@@ -31,10 +32,15 @@ class ApiContext:
         self.names.check(req.model)
 
     def start(
-        self, req, ids: list[int], sampling: SamplingParams, rid: str
+        self, req, ids: list[int], sampling: SamplingParams, rid: str, priority_len: int = 0
     ) -> AsyncIterator[Output]:
-        """The request's chunks of generated text; the prompt's ids are checked first."""
+        """The request's chunks of generated text; the prompt's ids are checked first. It
+        shares cached prefixes only under its cache salt, and keeps its first
+        `priority_len` tokens cached ahead of others."""
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
-        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
+        salt = request_salt(req.cache_salt)
+        chunks = generate_text(
+            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len
+        )
         return count_usage(track_finish(chunks, self.metrics, rid))

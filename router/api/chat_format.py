@@ -3,8 +3,9 @@ markers, its tool-call markers and parser (`mlx_lm/tool_parsers/`), and how a ch
 tools and template arguments renders through its chat template.
 
 The choice is mlx-lm's own (`mlx_lm.tokenizer_utils.load`): the tokenizer config's
-`tool_parser_type`, else the parser inferred from the template or the vocabulary; the
-thinking markers are the ones inferred from the vocabulary.
+`tool_parser_type` (which `--tool-call-parser` sets), else the parser inferred from the
+template or the vocabulary; the thinking markers are the ones inferred from the vocabulary.
+A model for which none is found takes tools in the generic format (router.generic_tools).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from router.api.generic_tools import GENERIC, PARSER
 from router.request_error import RequestError
 
 _ALIAS = "_radix_mlx_lm"
@@ -46,6 +49,7 @@ class ChatFormat:
     tool_call_start: str | None = None
     tool_call_end: str | None = None
     tool_parser: Callable | None = None
+    generic_tools: bool = False  # the router writes the tools into the chat, not the template
 
     @classmethod
     def of(cls, tokenizer) -> ChatFormat:
@@ -54,17 +58,12 @@ class ChatFormat:
         kwarg, _ = tokenizer_utils._infer_thinking_kwarg(tokenizer)
         kind = getattr(tokenizer, "init_kwargs", {}).get("tool_parser_type")
         kind = kind or tokenizer_utils._infer_tool_parser(tokenizer)
-        if kind is None:
-            return cls(think_start, think_end, kwarg)
-        module = mlx_lm_module(f"tool_parsers.{kind}")
+        generic = kind in (None, GENERIC)
+        module = mlx_lm_module(f"tool_parsers.{PARSER if generic else kind}")
         return cls(
-            think_start, think_end, kwarg, kind,
-            module.tool_call_start, module.tool_call_end, module.parse_tool_call,
+            think_start, think_end, kwarg, PARSER if generic else kind,
+            module.tool_call_start, module.tool_call_end, module.parse_tool_call, generic,
         )  # fmt: skip
-
-    @property
-    def has_tools(self) -> bool:
-        return self.tool_parser is not None
 
     def template_kwargs(self, given: dict | None) -> dict:
         """The template's arguments: the request's, under the name its template uses for
@@ -84,6 +83,13 @@ class ChatFormat:
         if self.think_start is None:
             return False
         return prompt.rfind(self.think_start) > prompt.rfind(self.think_end)
+
+
+def tool_parser_names() -> list[str]:
+    """The --tool-call-parser choices: mlx-lm's tool parsers and the generic format."""
+    package = importlib.util.find_spec("mlx_lm").submodule_search_locations[0]
+    parsers = Path(package, "tool_parsers").glob("*.py")
+    return sorted([p.stem for p in parsers if not p.stem.startswith("_")] + [GENERIC])
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

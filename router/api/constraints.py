@@ -89,15 +89,10 @@ def _thought(fmt: ChatFormat, budget: int | None) -> str:
 
 
 def check_tools(fmt: ChatFormat, tools: list | None) -> list[dict] | None:
-    """OpenAI function tools, each with a name; RequestError naming the first bad one, or
-    if the model has no tool-call format (as mlx-lm's server refuses them)."""
+    """OpenAI function tools, each with a name; RequestError naming the first bad one. (A
+    model whose template has no tool format takes them in the generic one.)"""
     if not tools:
         return None
-    if not fmt.has_tools:
-        raise RequestError(
-            "this model has no tool-call format mlx-lm knows (its chat template names none), "
-            "so it cannot take tools"
-        )
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":

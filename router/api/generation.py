@@ -13,6 +13,7 @@ from typing import Any
 from common.messages import InvalidParam, Output, SamplingParams
 from router.api.chat_format import ChatFormat, template_messages
 from router.api.detokenizer import IncrementalDetokenizer
+from router.api.generic_tools import generic_chat
 from router.replicas.manager import RouterManager
 from router.request_error import RequestError
 
@@ -51,6 +52,18 @@ class Tokenization:
         arguments (`chat_template_kwargs`, thinking on by default where the model thinks)."""
         kwargs = self.chat_format.template_kwargs(template_kwargs)
         chat = template_messages(text_messages(messages))
+        if not self.chat_format.generic_tools:
+            return self._render(chat, tools, kwargs)
+        # the template knows no tools: they are written into the chat, in a system message
+        # or, for a template that refuses one (Gemma 2's, Mistral v0.1's), the first turn
+        try:
+            return self._render(generic_chat(chat, tools), None, kwargs)
+        except RequestError:
+            if not tools:
+                raise
+            return self._render(generic_chat(chat, tools, in_system=False), None, kwargs)
+
+    def _render(self, chat: list[dict], tools, kwargs: dict) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
@@ -152,12 +165,16 @@ async def generate_text(
     sampling: SamplingParams,
     stop: list[str] | None = None,
     rid: str | None = None,
+    cache_salt: str = "",
+    priority_len: int = 0,
 ) -> AsyncIterator[Output]:
     """Stream chunks (an Output each: new text and token ids, usage so far); a stop string
-    ends the request early (and aborts it upstream)."""
+    ends the request early (and aborts it upstream). `cache_salt` and `priority_len`: see
+    common.messages.GenerateReq."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
-    async with contextlib.aclosing(manager.generate(input_ids, sampling, rid)) as outs:
+    outs = manager.generate(input_ids, sampling, rid, cache_salt, priority_len)
+    async with contextlib.aclosing(outs):
         async for chunk in outs:
             for out in _per_token(chunk) if matcher.stops else [chunk]:
                 text, finish, hit = _text_of(out, detok, matcher)

@@ -24,6 +24,7 @@ from router.api.access_log import AccessLog
 from router.api.anthropic_api import anthropic_error_body
 from router.api.anthropic_messages import AnthropicRoutes
 from router.api.api_context import ApiContext
+from router.api.cache_salt_header import SaltHeader
 from router.api.chat_response import chat_renderer, plan_chat
 from router.api.completion_response import CompletionRenderer
 from router.api.constraints import output_grammar
@@ -63,6 +64,8 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
             CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=["*"],
             allow_headers=["*"],
         )  # fmt: skip
+    if args.cache_salt_header:
+        app.add_middleware(SaltHeader, header=args.cache_salt_header)
     app.add_middleware(AccessLog)  # outermost: it sees every answer, the guard's and CORS's
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from common.cache_salt import salt_problem
 from common.messages import InvalidParam
 from router.request_error import RequestError
 
@@ -58,6 +59,8 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     # SamplingParams field -> this request's name for it, where they differ
     SAMPLING_NAMES: ClassVar[dict[str, str]] = {}
+    # vLLM's: only requests with the same salt share cached prefixes (common/cache_salt.py)
+    cache_salt: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -72,6 +75,14 @@ class RequestBody(BaseModel):
                 param=None if path == "body" else path,
             )
         return data
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _valid_salt(cls, salt: Any) -> Any:
+        problem = salt_problem(salt)
+        if problem:
+            raise RequestError(problem, param="cache_salt")
+        return salt
 
     def param_name(self, sampling_field: str) -> str:
         return self.SAMPLING_NAMES.get(sampling_field, sampling_field)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
+from common.cache_salt import salted_key
 from common.messages import (
     AbortReq,
     CacheEvicted,
@@ -256,7 +257,8 @@ class RouterManager:
 
     async def _submit(self, rid: str, pending: _Pending, req: GenerateReq,
                       exclude: Replica | None = None) -> None:  # fmt: skip
-        replica = self._route(req.input_ids, exclude)
+        # a salted prompt is keyed as the replica's trie keys it: no hit across salts
+        replica = self._route(salted_key(req.input_ids, req.cache_salt), exclude)
         if replica is None:
             raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
         pending.replica = replica
@@ -266,9 +268,11 @@ class RouterManager:
         await replica.link.send(encode(req))
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
-    ) -> AsyncIterator[TokenOut]:
-        """Yield TokenOut increments until the finishing one; abort if the caller stops."""
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+        cache_salt: str = "", priority_len: int = 0,
+    ) -> AsyncIterator[TokenOut]:  # fmt: skip
+        """Yield TokenOut increments until the finishing one; abort if the caller stops.
+        `cache_salt`, `priority_len`: see GenerateReq."""
         await self._wait_serving()
         if len(self.pending) >= self.max_pending:
             raise RequestError(
@@ -281,7 +285,7 @@ class RouterManager:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")
         self.pending[rid] = pending = _Pending()
         finished = False
-        req = GenerateReq(rid, input_ids, sampling)
+        req = GenerateReq(rid, input_ids, sampling, cache_salt, priority_len)
         try:
             await self._submit(rid, pending, req)
             while True:

@@ -22,6 +22,7 @@ import uuid
 import zmq
 import zmq.asyncio
 
+from common.cache_salt import salt_problem
 from common.messages import (
     FRONTDOOR_INBOX,
     ClientAbort,
@@ -124,8 +125,14 @@ class FrontDoor:
             ids = self._input_ids(msg)
             prompt_len = len(ids)
             self.tok.check_ids(ids, msg.sampling)
+            problem = salt_problem(msg.cache_salt)
+            if problem:
+                raise RequestError(problem, param="cache_salt")
             rid = f"sdk-{uuid.uuid4().hex}"  # client rids are only unique per client
-            chunks = generate_text(self.manager, self.tokenizer, ids, msg.sampling, rid=rid)
+            chunks = generate_text(
+                self.manager, self.tokenizer, ids, msg.sampling, rid=rid,
+                cache_salt=msg.cache_salt or "",
+            )  # fmt: skip
             chunks = track_finish(chunks, self.manager.metrics, rid)
             async with contextlib.aclosing(chunks):
                 async for c in chunks:

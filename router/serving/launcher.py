@@ -38,6 +38,7 @@ from common.messages import ModelIdentity
 from common.model_identity import model_identity
 from common.server_args import ServerArgs
 from common.trace import Trace
+from router.api.chat_overrides import apply_chat_overrides, chat_overrides
 from router.api.http_server import create_app
 from router.metrics import Metrics
 from router.replicas.manager import RouterManager
@@ -68,7 +69,11 @@ def serve(args: ServerArgs) -> int:
     setup_logging("router", args.log_level)
     rank = launched_rank() if args.dist_hostfile else None
     try:  # a rank of a group under mlx.launch listens on nothing of `serve`'s
+        template = chat_overrides(args)
         child_args = resolve_args(args, None if rank else "serve")
+    except ValueError as exc:  # --chat-template, --tool-call-parser: before the model
+        logger.error("%s", exc)
+        return 2
     except Refused as exc:
         logger.error("%s", exc)
         return exc.status
@@ -82,6 +87,7 @@ def serve(args: ServerArgs) -> int:
     start_resource_tracker()
     hold_stop_signals()  # until the loop takes them (router.serving.stop_signals)
     tokenizer = load_tokenizer(model_dir)
+    apply_chat_overrides(tokenizer, args, template)
     runtime_dir = tempfile.mkdtemp(prefix="radix-mlx-")
     logger.info("runtime directory %s", runtime_dir)
     children = _replica_children(child_args, runtime_dir)

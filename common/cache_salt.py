@@ -1,0 +1,51 @@
+"""Cache salts: tenants share prefix-cached KV only when they send the same salt.
+
+A request may carry vLLM's `cache_salt` (a string; or a gateway sets it in a header,
+`--cache-salt-header`). A shared prefix cache answers a prompt that starts like another
+tenant's faster, which tells the second tenant what the first one sent (a timing side
+channel); a salt puts a tenant's prompts in a namespace of their own.
+
+The scheduler's trie and the router's guess of it (`router/replicas/approx_tree.py`) both key a
+salted prompt as `[namespace] + tokens`, the namespace a negative int made from the salt:
+token ids are never negative, so no unsalted prompt and no other salt can share even its
+first edge, and the trie stays keyed by ints (the evicted paths the scheduler reports to
+the router are lists of ints on the wire). Two salts meet only if their 62-bit hashes
+collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+MAX_CACHE_SALT_CHARS = 1024  # a salt is an id or a key's digest, not a document
+
+
+def salt_namespace(salt: str | None) -> int:
+    """The trie's namespace key of `salt`: 0 (the shared, unsalted cache) for none or
+    "", else a negative int."""
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "big") >> 2)  # in [-2**62, -1]: a msgpack int64
+
+
+def salted_key(tokens: list[int], salt: str | None) -> list[int]:
+    """The radix key of a prompt under `salt`: the tokens, behind their namespace key."""
+    return namespaced_key(tokens, salt_namespace(salt))
+
+
+def namespaced_key(tokens: list[int], namespace: int) -> list[int]:
+    return [namespace, *tokens] if namespace else tokens
+
+
+def salt_problem(salt: object) -> str | None:
+    """What is wrong with a request's `cache_salt`, or None if it is fine (None is)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        return f"cache_salt must be a string, not {type(salt).__name__}"
+    if not salt:
+        return "cache_salt must be a non-empty string"
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        return f"cache_salt is {len(salt)} characters long; the limit is {MAX_CACHE_SALT_CHARS}"
+    return None
