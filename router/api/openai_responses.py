@@ -95,7 +95,7 @@ class ResponsesRoutes:
             raise RequestError("input must hold at least one item", param="input")
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         kwargs = req.template_kwargs()
-        grammar = output_grammar(req.response_format(), None, None)
+        grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
         continuation = Continuation(tok, prev, system, tools, kwargs) if prev else None
         rendered = []
 
@@ -138,9 +138,10 @@ class ResponsesRoutes:
         output_ids = builder.token_ids
         if last.finish_reason == "stop" and output_ids:
             output_ids = output_ids[:-1]  # the stop token: the template ends the turn itself
-        items = [{"type": "message", "role": "user", "content": req.input}]
-        if isinstance(req.input, list):
-            items = req.input
+        items = req.input or []
+        if isinstance(req.input, str):
+            text = {"type": "input_text", "text": req.input}
+            items = [{"type": "message", "role": "user", "content": [text]}]
         stored = StoredResponse(
             builder.response, items, turn.messages, answer_message(builder.output),
             turn.rendered, turn.ids + output_ids,

@@ -57,7 +57,10 @@ class ResponsesRequest(RequestBody):
     truncation: str | None = None
     prompt_cache_key: str | None = None
     background: StrictBool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # as on the chat route
+    # as on the chat route: the template's arguments, SGLang's regex / ebnf output formats
+    chat_template_kwargs: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def unsupported(self) -> str | None:
         if self.background:
