@@ -57,8 +57,10 @@ class ResponsesRequest(RequestBody):
     truncation: str | None = None
     prompt_cache_key: str | None = None
     background: StrictBool | None = None
-    # as on the chat route: the template's arguments, SGLang's regex / ebnf output formats
+    # as on the chat route: the template's arguments, SGLang's regex / ebnf output formats,
+    # ignore_eos (benchmarks use it for outputs of a fixed length)
     chat_template_kwargs: dict[str, Any] | None = None
+    ignore_eos: StrictBool | None = False
     regex: str | None = None
     ebnf: str | None = None
 
@@ -81,6 +83,7 @@ class ResponsesRequest(RequestBody):
             max_new_tokens=max_new_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
             top_p=d.top_p if self.top_p is None else self.top_p,
+            ignore_eos=bool(self.ignore_eos),
             grammar_kind=kind,
             grammar=source,
         )
