@@ -7,6 +7,9 @@ tool choice or a grammar, so what is checked is known."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
 import jsonschema
@@ -271,3 +274,42 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.slow
+def test_prompt_cache_key_keeps_requests_on_one_replica(agent_model, tmp_path_factory):
+    """Two replicas: requests with one prompt_cache_key and unrelated prompts all go to the
+    replica the key picks (reason `route_key` in the routing metrics)."""
+    log = tmp_path_factory.mktemp("responses-dp") / "server.log"
+    with checked_server(agent_model, log, [*SERVER, "--dp-size", "2"]) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+            for i, prompt in enumerate(["alpha", "a b c d e f", "zz top", "7 8 9"]):
+                create(client, input=prompt * (i + 1), prompt_cache_key="session-1",
+                       max_output_tokens=2)  # fmt: skip
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert 'reason="route_key"} 4.0' in metrics
+    routed = [line for line in metrics.splitlines()
+              if line.startswith("radix_mlx_replica_requests_total{")]  # fmt: skip
+    assert sorted(float(line.split()[-1]) for line in routed)[-1] >= 4.0, routed
+
+
+@pytest.mark.slow
+def test_a_failure_midway_is_an_error_event_then_response_failed(oai, server):
+    """Runs last in the module: it kills the worker mid-stream (the server restarts it).
+    The stream ends with an `error` event and `response.failed` carrying the reason."""
+    events, killed = [], False
+    with oai.responses.create(model="m", input="Go on.", stream=True, max_output_tokens=3000,
+                              extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+        for event in stream:
+            events.append(STREAM_EVENT.validate_python(event.model_dump(exclude_unset=True)))
+            if not killed and event.type.endswith(".delta") and len(events) > 5:
+                os.kill(server.child("worker"), signal.SIGKILL)
+                killed = True
+    error, failed = events[-2:]
+    assert error.type == "error" and "worker process exited" in error.message
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.message == error.message
+    deadline = time.monotonic() + 120
+    while httpx.get(server.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the server did not recover"
+        time.sleep(0.5)
