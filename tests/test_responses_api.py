@@ -201,6 +201,33 @@ def test_function_call_round_trip_with_hosted_tools_dropped(oai, server):
     assert len(log_lines(server, "dropped tools")) == warned + 4  # one per request
 
 
+def test_parallel_tool_calls(oai):
+    """Two calls in one answer (written by a regex): both are function_call items, in
+    order, streamed or not; with parallel_tool_calls false, the first alone."""
+    calls = [("Paris", 1), ("Rome", 2)]
+    regex = "".join(
+        rf'<tool_call>\n\{{"name": "get_weather", "arguments": \{{"city": "{city}", '
+        rf'"days": {days}\}}\}}\n</tool_call>\n'
+        for city, days in calls
+    )
+    kw = dict(input="Weather in Paris and Rome?", tools=[GET_WEATHER], max_output_tokens=200,
+              extra_body={"regex": regex})  # fmt: skip
+    both = create(oai, **kw)
+    assert [(c.name, json.loads(c.arguments)) for c in both.output] == [
+        ("get_weather", {"city": city, "days": days}) for city, days in calls
+    ]
+    events = stream_events(oai, **kw)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [item.type for item in added] == ["function_call", "function_call"]
+    assert [c.arguments for c in events[-1].response.output] == [c.arguments for c in both.output]
+    first = create(oai, **kw, parallel_tool_calls=False)
+    assert [c.arguments for c in first.output] == [both.output[0].arguments]
+    assert first.parallel_tool_calls is False
+    events = stream_events(oai, **kw, parallel_tool_calls=False)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == both.output[0].arguments
+
+
 def test_text_format_json_schema(oai):
     """text.format holds the answer to the schema through the grammar engine; the SDK's
     stream helper assembles the same completed response."""

@@ -33,6 +33,7 @@ class ResponseBuilder:
         self.space = ""  # whitespace between items, held until a message opens
         self.text = ""  # the open item's text (summary text, message text, arguments)
         self.calls: dict[str, dict] = {}  # call id -> its item
+        self.call_at: dict[int, dict] = {}  # the splitter's call index -> its item
         self.token_ids: list[int] = []
         self.reasoning_tokens = 0
 
@@ -115,15 +116,13 @@ class ResponseBuilder:
 
     def _call_delta(self, delta: ToolDelta) -> list[dict]:
         out = []
-        if delta.name is not None:
-            if self.calls and not self.parallel:
-                return []  # parallel_tool_calls false: the first call alone
+        if delta.name is not None and (self.parallel or not self.calls):
             item = {"id": new_id("fc"), "type": "function_call", "call_id": delta.id,
                     "name": delta.name, "arguments": "", "status": "in_progress"}  # fmt: skip
             out += self._open(item)
-            self.calls[delta.id] = item
-        elif (self.item or {}).get("type") != "function_call":
-            return []
+            self.calls[delta.id] = self.call_at[delta.index] = item
+        if self.item is None or self.call_at.get(delta.index) is not self.item:
+            return out  # a call left out (parallel_tool_calls false) or already closed
         if delta.arguments:
             self.text += delta.arguments
             out.append(self.event("response.function_call_arguments.delta",
