@@ -135,6 +135,7 @@ class ResponseBuilder:
         if item is None or item is not self.item:
             return []
         self.text = call.arguments  # as parsed: the deltas' text unless the format differs
+        item["status"] = "completed"
         return self.close()
 
     def close(self, status: str = "completed") -> list[dict]:
@@ -165,10 +166,12 @@ class ResponseBuilder:
                            part=_text_part(text)),
             ]  # fmt: skip
             item["content"], item["status"] = [_text_part(text)], status
-        else:
+        else:  # a call closed before its end (cut short, or unparsable) is incomplete
             out.append(self.event("response.function_call_arguments.done", **ids,
                                   name=item["name"], arguments=text))  # fmt: skip
-            item["arguments"], item["status"] = text, status
+            item["arguments"] = text
+            if item["status"] != "completed":
+                item["status"] = "incomplete"
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
     # ------------------------------------------------------------ the end
