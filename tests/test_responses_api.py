@@ -201,6 +201,21 @@ def test_function_call_round_trip_with_hosted_tools_dropped(oai, server):
     assert len(log_lines(server, "dropped tools")) == warned + 4  # one per request
 
 
+def test_a_call_cut_short_is_incomplete(oai):
+    """A forced call that max_output_tokens cuts inside its arguments: the function_call
+    item streamed so far says incomplete, and so does the response."""
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}},
+              "required": ["text"]}  # fmt: skip
+    write = {"type": "function", "name": "write", "parameters": schema}
+    choice = {"type": "function", "name": "write"}  # its header, then 400 characters at least
+    out = create(oai, input="Write!", tools=[write], tool_choice=choice, max_output_tokens=40)
+    assert out.status == "incomplete"
+    call = out.output[0]
+    assert call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.arguments)
+
+
 def test_parallel_tool_calls(oai):
     """Two calls in one answer (written by a regex): both are function_call items, in
     order, streamed or not; with parallel_tool_calls false, the first alone."""
