@@ -108,14 +108,16 @@ def test_text_response_and_its_stream(oai):
 
 def test_greedy_output_equals_the_chat_route(oai):
     """The same conversation as Responses items and as chat messages: the same prompt,
-    so the same greedy tokens and text."""
+    so the same greedy tokens and text. A developer message is system text."""
     items = [
+        {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "message", "role": "assistant",
          "content": [{"type": "output_text", "text": "Which days?"}]},
         {"role": "user", "content": [{"type": "input_text", "text": "Tomorrow."}]},
     ]  # fmt: skip
     messages = [{"role": "system", "content": INSTRUCTIONS},
+                {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "Which days?"},
                 {"role": "user", "content": "Tomorrow."}]  # fmt: skip
