@@ -32,15 +32,22 @@ class ApiContext:
         self.names.check(req.model)
 
     def start(
-        self, req, ids: list[int], sampling: SamplingParams, rid: str, priority_len: int = 0
+        self,
+        req,
+        ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        priority_len: int = 0,
+        route_key: str | None = None,
     ) -> AsyncIterator[Output]:
         """The request's chunks of generated text; the prompt's ids are checked first. It
         shares cached prefixes only under its cache salt, and keeps its first
-        `priority_len` tokens cached ahead of others."""
+        `priority_len` tokens cached ahead of others; `route_key` (a client's
+        prompt_cache_key) picks its replica (router.replicas.routing.by_key)."""
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         salt = request_salt(req.cache_salt)
         chunks = generate_text(
-            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len
+            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len, route_key
         )
         return count_usage(track_finish(chunks, self.metrics, rid))

@@ -47,26 +47,34 @@ class Tokenization:
         mlx_lm.server calls, encodes so too)."""
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], tools=None, template_kwargs=None) -> str:
+    def render_chat(
+        self, messages: list[dict], tools=None, template_kwargs=None, generation_prompt=True
+    ) -> str:
         """The chat as prompt text: its template, given the tools and the template's
-        arguments (`chat_template_kwargs`, thinking on by default where the model thinks)."""
+        arguments (`chat_template_kwargs`, thinking on by default where the model thinks);
+        without the `generation_prompt`, the chat as history."""
         kwargs = self.chat_format.template_kwargs(template_kwargs)
         chat = template_messages(text_messages(messages))
         if not self.chat_format.generic_tools:
-            return self._render(chat, tools, kwargs)
+            return self._render(chat, tools, kwargs, generation_prompt)
         # the template knows no tools: they are written into the chat, in a system message
         # or, for a template that refuses one (Gemma 2's, Mistral v0.1's), the first turn
         try:
-            return self._render(generic_chat(chat, tools), None, kwargs)
+            return self._render(generic_chat(chat, tools), None, kwargs, generation_prompt)
         except RequestError:
             if not tools:
                 raise
-            return self._render(generic_chat(chat, tools, in_system=False), None, kwargs)
+            chat = generic_chat(chat, tools, in_system=False)
+            return self._render(chat, None, kwargs, generation_prompt)
 
-    def _render(self, chat: list[dict], tools, kwargs: dict) -> str:
+    def _render(self, chat: list[dict], tools, kwargs: dict, generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+                chat,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **kwargs,
             )
         except Exception as exc:  # jinja raises many kinds
             raise RequestError(f"cannot render the chat template: {exc}") from None
@@ -167,13 +175,14 @@ async def generate_text(
     rid: str | None = None,
     cache_salt: str = "",
     priority_len: int = 0,
+    route_key: str | None = None,
 ) -> AsyncIterator[Output]:
     """Stream chunks (an Output each: new text and token ids, usage so far); a stop string
     ends the request early (and aborts it upstream). `cache_salt` and `priority_len`: see
-    common.messages.GenerateReq."""
+    common.messages.GenerateReq; `route_key`: RouterManager.generate."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
-    outs = manager.generate(input_ids, sampling, rid, cache_salt, priority_len)
+    outs = manager.generate(input_ids, sampling, rid, cache_salt, priority_len, route_key)
     async with contextlib.aclosing(outs):
         async for chunk in outs:
             for out in _per_token(chunk) if matcher.stops else [chunk]:

@@ -38,6 +38,7 @@ from router.api.openai_api import (
     error_body,
     prompt_only,
 )
+from router.api.openai_responses import ResponsesRoutes
 from router.api.request_body import field_path
 from router.api.response_assembly import Choice, collect, stream
 from router.replicas.manager import RouterManager
@@ -82,6 +83,11 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     anthropic = AnthropicRoutes(api)
     app.post("/v1/messages")(anthropic.messages)
     app.post("/v1/messages/count_tokens")(anthropic.count_tokens)
+    responses = ResponsesRoutes(api, args.responses_store_size)
+    app.post("/v1/responses")(responses.create)
+    app.get("/v1/responses/{response_id}")(responses.retrieve)
+    app.delete("/v1/responses/{response_id}")(responses.delete)
+    app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     return app

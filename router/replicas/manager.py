@@ -43,7 +43,7 @@ from common.messages import (
 from common.protocol import encode
 from common.trace import Trace
 from router.replicas.replica_set import Replica, ReplicaSet, read_scheduler
-from router.replicas.routing import RoundRobin
+from router.replicas.routing import RoundRobin, by_key
 from router.request_error import RequestError, unavailable
 
 logger = logging.getLogger("router")
@@ -244,21 +244,27 @@ class RouterManager:
 
     # ------------------------------------------------------------ requests
 
-    def _route(self, input_ids: list[int], exclude: Replica | None = None) -> Replica | None:
+    def _route(self, input_ids: list[int], exclude: Replica | None = None,
+               route_key: str | None = None) -> Replica | None:  # fmt: skip
         candidates = [r for r in self.replicas.serving() if r is not exclude]
         if not candidates:
             return None
         started = time.thread_time()  # CPU time: on a busy machine, preemption is not ours
-        replica, reason = self.policy.choose(candidates, input_ids)
+        if route_key and len(candidates) > 1:  # the client's hint: with this key, this one
+            replica, reason = by_key(candidates, route_key), "route_key"
+            self.policy.learn(replica, input_ids)
+        else:
+            replica, reason = self.policy.choose(candidates, input_ids)
         if self.metrics:
             seconds = time.thread_time() - started
             self.metrics.observe_routing(self.policy.name, reason, replica.id, seconds)
         return replica
 
     async def _submit(self, rid: str, pending: _Pending, req: GenerateReq,
-                      exclude: Replica | None = None) -> None:  # fmt: skip
+                      exclude: Replica | None = None,
+                      route_key: str | None = None) -> None:  # fmt: skip
         # a salted prompt is keyed as the replica's trie keys it: no hit across salts
-        replica = self._route(salted_key(req.input_ids, req.cache_salt), exclude)
+        replica = self._route(salted_key(req.input_ids, req.cache_salt), exclude, route_key)
         if replica is None:
             raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
         pending.replica = replica
@@ -269,10 +275,12 @@ class RouterManager:
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
-        cache_salt: str = "", priority_len: int = 0,
+        cache_salt: str = "", priority_len: int = 0, route_key: str | None = None,
     ) -> AsyncIterator[TokenOut]:  # fmt: skip
         """Yield TokenOut increments until the finishing one; abort if the caller stops.
-        `cache_salt`, `priority_len`: see GenerateReq."""
+        `cache_salt`, `priority_len`: see GenerateReq; `route_key` (a client's
+        prompt_cache_key) picks the replica (router.replicas.routing.by_key) rather than
+        the routing policy."""
         await self._wait_serving()
         if len(self.pending) >= self.max_pending:
             raise RequestError(
@@ -287,7 +295,7 @@ class RouterManager:
         finished = False
         req = GenerateReq(rid, input_ids, sampling, cache_salt, priority_len)
         try:
-            await self._submit(rid, pending, req)
+            await self._submit(rid, pending, req, route_key=route_key)
             while True:
                 item = await pending.queue.get()
                 if isinstance(item, _Lost):
@@ -296,7 +304,7 @@ class RouterManager:
                         raise item.error
                     pending.retried, finished = True, False
                     logger.warning("retrying %s on another replica: %s", rid, item.error.message)
-                    await self._submit(rid, pending, req, exclude=item.replica)
+                    await self._submit(rid, pending, req, item.replica, route_key)
                     continue
                 if isinstance(item, RequestError):
                     finished = True
