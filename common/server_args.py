@@ -169,6 +169,12 @@ class ServerArgs:
         "rather than cut it to fit",
         commands=SERVE,
     )
+    responses_store_size: int = flag(
+        1024,
+        "Responses API: how many responses are kept for previous_response_id and GET "
+        "/v1/responses/{id} (least recently used first out; 0: none)",
+        commands=SERVE,
+    )
     watchdog_timeout: float = flag(
         300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
     )
@@ -300,6 +306,8 @@ class ServerArgs:
             raise ValueError("--watchdog-timeout must be > 0")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0")
+        if self.responses_store_size < 0:
+            raise ValueError("--responses-store-size must be >= 0")
         if self.max_restarts < 0:
             raise ValueError("--max-restarts must be >= 0")
         if self.dp_size < 0 or (self.dp_size == 0 and not self.replica):

@@ -26,7 +26,7 @@ class ChatPrompt:
 
 def plan_chat(
     tok: Tokenization, messages, tools, choice, template_kwargs, grammar,
-    max_tokens: int | None = None, think_budget: int | None = None,
+    max_tokens: int | None = None, think_budget: int | None = None, encode=None,
 ) -> tuple[list[int], ChatPrompt, tuple[str, str] | None]:  # fmt: skip
     """(prompt ids, what the rendering decided, the output's grammar) of a chat with
     OpenAI-shaped `messages`, `tools` and tool `choice`; `grammar` is the requested output
@@ -34,13 +34,14 @@ def plan_chat(
     A thought is bounded by `think_budget` tokens (Anthropic's budget_tokens) if given,
     else by half of `max_tokens` (the request's, if it set one, cut to what the context
     leaves), so the answer still fits after it; a budget the cut leaves no room after is
-    halved too."""
+    halved too. `encode(text)`: the rendered text's ids, if not `tok.encode_rendered`'s
+    (a continued response's, router.api.responses_continuation)."""
     fmt = tok.chat_format
     tools = check_tools(fmt, tools)
     parse_tools, forced = tool_choice(choice, tools)
     text = tok.render_chat(messages, tools, template_kwargs)
     prompt = ChatPrompt(fmt, tools if parse_tools else None, fmt.starts_thinking(text))
-    ids = tok.encode_rendered(text)
+    ids = (encode or tok.encode_rendered)(text)
     if max_tokens:
         max_tokens = tok.fit(len(ids), max_tokens)
         if not think_budget or think_budget >= max_tokens:

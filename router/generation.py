@@ -45,14 +45,21 @@ class Tokenization:
         mlx_lm.server calls, encodes so too)."""
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], tools=None, template_kwargs=None) -> str:
+    def render_chat(
+        self, messages: list[dict], tools=None, template_kwargs=None, generation_prompt=True
+    ) -> str:
         """The chat as prompt text: its template, given the tools and the template's
-        arguments (`chat_template_kwargs`, thinking on by default where the model thinks)."""
+        arguments (`chat_template_kwargs`, thinking on by default where the model thinks);
+        without the `generation_prompt`, the chat as history."""
         kwargs = self.chat_format.template_kwargs(template_kwargs)
         chat = template_messages(text_messages(messages))
         try:
             return self.tokenizer.apply_chat_template(
-                chat, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+                chat,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+                **kwargs,
             )
         except Exception as exc:  # jinja raises many kinds
             raise RequestError(f"cannot render the chat template: {exc}") from None
@@ -151,12 +158,13 @@ async def generate_text(
     sampling: SamplingParams,
     stop: list[str] | None = None,
     rid: str | None = None,
+    route_key: str | None = None,
 ) -> AsyncIterator[Output]:
     """Stream chunks (an Output each: new text and token ids, usage so far); a stop string
-    ends the request early (and aborts it upstream)."""
+    ends the request early (and aborts it upstream). `route_key`: RouterManager.generate."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
-    async with contextlib.aclosing(manager.generate(input_ids, sampling, rid)) as outs:
+    async with contextlib.aclosing(manager.generate(input_ids, sampling, rid, route_key)) as outs:
         async for chunk in outs:
             for out in _per_token(chunk) if matcher.stops else [chunk]:
                 text, finish, hit = _text_of(out, detok, matcher)

@@ -23,6 +23,7 @@ from common.messages import Output
 from router.access_log import AccessLog, count_usage
 from router.anthropic_api import anthropic_error_body
 from router.anthropic_messages import AnthropicRoutes
+from router.api.openai_responses import ResponsesRoutes
 from router.chat_response import chat_renderer, plan_chat
 from router.constraints import output_grammar
 from router.generation import Tokenization, generate_text
@@ -80,6 +81,11 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     anthropic = AnthropicRoutes(routes)
     app.post("/v1/messages")(anthropic.messages)
     app.post("/v1/messages/count_tokens")(anthropic.count_tokens)
+    responses = ResponsesRoutes(routes, args.responses_store_size)
+    app.post("/v1/responses")(responses.create)
+    app.get("/v1/responses/{response_id}")(responses.retrieve)
+    app.delete("/v1/responses/{response_id}")(responses.delete)
+    app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     return app
@@ -181,11 +187,12 @@ class _Routes:
             raise RequestError(f"tokens: token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    def _start(self, req, ids: list[int], sampling, rid: str) -> AsyncIterator[Output]:
-        """The request's chunks of generated text."""
+    def _start(self, req, ids: list[int], sampling, rid: str, route_key: str | None = None
+               ) -> AsyncIterator[Output]:  # fmt: skip
+        """The request's chunks of generated text (`route_key`: router.routing.by_key)."""
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
-        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid)
+        chunks = generate_text(self.manager, self.tokenizer, ids, sampling, stops, rid, route_key)
         return count_usage(track_finish(chunks, self.metrics, rid))
 
     def _prompts(self, prompt) -> list[list[int]]:

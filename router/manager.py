@@ -42,7 +42,7 @@ from common.messages import (
 from common.protocol import encode
 from common.trace import Trace
 from router.replicas import Replica, ReplicaSet, read_scheduler
-from router.routing import RoundRobin
+from router.routing import RoundRobin, by_key
 
 logger = logging.getLogger("router")
 RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while restarting
@@ -264,20 +264,26 @@ class RouterManager:
 
     # ------------------------------------------------------------ requests
 
-    def _route(self, input_ids: list[int], exclude: Replica | None = None) -> Replica | None:
+    def _route(self, input_ids: list[int], exclude: Replica | None = None,
+               route_key: str | None = None) -> Replica | None:  # fmt: skip
         candidates = [r for r in self.replicas.serving() if r is not exclude]
         if not candidates:
             return None
         started = time.thread_time()  # CPU time: on a busy machine, preemption is not ours
-        replica, reason = self.policy.choose(candidates, input_ids)
+        if route_key and len(candidates) > 1:  # the client's hint: with this key, this one
+            replica, reason = by_key(candidates, route_key), "route_key"
+            self.policy.learn(replica, input_ids)
+        else:
+            replica, reason = self.policy.choose(candidates, input_ids)
         if self.metrics:
             seconds = time.thread_time() - started
             self.metrics.observe_routing(self.policy.name, reason, replica.id, seconds)
         return replica
 
     async def _submit(self, rid: str, pending: _Pending, req: GenerateReq,
-                      exclude: Replica | None = None) -> None:  # fmt: skip
-        replica = self._route(req.input_ids, exclude)
+                      exclude: Replica | None = None,
+                      route_key: str | None = None) -> None:  # fmt: skip
+        replica = self._route(req.input_ids, exclude, route_key)
         if replica is None:
             raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
         pending.replica = replica
@@ -287,9 +293,12 @@ class RouterManager:
         await replica.link.send(encode(req))
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
-    ) -> AsyncIterator[TokenOut]:
-        """Yield TokenOut increments until the finishing one; abort if the caller stops."""
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
+        route_key: str | None = None,
+    ) -> AsyncIterator[TokenOut]:  # fmt: skip
+        """Yield TokenOut increments until the finishing one; abort if the caller stops.
+        `route_key` (a client's prompt_cache_key) picks the replica (router.routing.by_key)
+        rather than the routing policy."""
         await self._wait_serving()
         if len(self.pending) >= self.max_pending:
             raise RequestError(
@@ -304,7 +313,7 @@ class RouterManager:
         finished = False
         req = GenerateReq(rid, input_ids, sampling)
         try:
-            await self._submit(rid, pending, req)
+            await self._submit(rid, pending, req, route_key=route_key)
             while True:
                 item = await pending.queue.get()
                 if isinstance(item, _Lost):
@@ -313,7 +322,7 @@ class RouterManager:
                         raise item.error
                     pending.retried, finished = True, False
                     logger.warning("retrying %s on another replica: %s", rid, item.error.message)
-                    await self._submit(rid, pending, req, exclude=item.replica)
+                    await self._submit(rid, pending, req, item.replica, route_key)
                     continue
                 if isinstance(item, RequestError):
                     finished = True

@@ -12,6 +12,10 @@
   replica no longer holds does not draw requests there.
 - `round_robin`: the next replica in turn. `least_load`: the fewest requests in flight.
 
+A request with a routing key (the Responses API's `prompt_cache_key`) goes to the replica
+`by_key` picks for that key, whatever the policy (reason `route_key`): rendezvous hashing,
+so the same key finds the same replica, and only the keys of a replica that goes away move.
+
 Load is the router's own count of requests in flight per replica (exact, no message).
 A policy sees only the replicas that serve now; with one of them, it is chosen (reason
 `single`) but a cache-aware tree still learns the prompt.
@@ -19,6 +23,7 @@ A policy sees only the replicas that serve now; with one of them, it is chosen (
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Sequence
 
@@ -40,6 +45,9 @@ class RoundRobin:
 
     def reset(self, replica: Replica) -> None:
         pass
+
+    def learn(self, replica: Replica, tokens: list[int]) -> None:
+        """The prompt went to `replica` (chosen by its routing key)."""
 
     def evicted(self, replica: Replica, paths: list[list[int]]) -> None:
         pass
@@ -70,10 +78,12 @@ class CacheAware:
         return tree
 
     def choose(self, candidates: Sequence[Replica], tokens: list[int]) -> tuple[Replica, str]:
-        key = tuple(tokens)
-        chosen, reason = self._pick(candidates, key)
-        self.tree(chosen).insert(key)
+        chosen, reason = self._pick(candidates, tuple(tokens))
+        self.learn(chosen, tokens)
         return chosen, reason
+
+    def learn(self, replica: Replica, tokens: list[int]) -> None:
+        self.tree(replica).insert(tuple(tokens))
 
     def _pick(self, candidates: Sequence[Replica], key: tuple[int, ...]) -> tuple[Replica, str]:
         if len(candidates) == 1:
@@ -100,6 +110,16 @@ class CacheAware:
         if tree is not None:
             for path in paths:
                 tree.remove(path)
+
+
+def by_key(candidates: Sequence[Replica], key: str) -> Replica:
+    """The replica of highest hash of (key, replica id): the same one for a key as long
+    as it serves (rendezvous hashing)."""
+
+    def weight(replica: Replica) -> bytes:
+        return hashlib.blake2b(f"{key}\0{replica.id}".encode(), digest_size=8).digest()
+
+    return max(candidates, key=weight)
 
 
 def make_policy(name: str, cache_threshold: float = 0.5, balance_abs: int = 32,

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from common.messages import SchedulerReady
 from router.approx_tree import PRUNE_TO, ApproxTree
 from router.replicas import Replica, ReplicaSet
-from router.routing import CacheAware, LeastLoad, RoundRobin, make_policy
+from router.routing import CacheAware, LeastLoad, RoundRobin, by_key, make_policy
 from scheduler.memory_pool import TokenToKVPoolAllocator
 from scheduler.radix_cache import RadixCache
 
@@ -189,6 +189,23 @@ def test_least_load_and_a_single_candidate():
     assert LeastLoad().choose(replicas, [1])[0] is r2
     assert CacheAware().choose([r1], [1, 2]) == (r1, "single")
     assert make_policy("least_load").name == "least_load"
+
+
+def test_a_routing_key_keeps_its_replica_and_only_a_lost_replica_s_keys_move():
+    """prompt_cache_key routing: the same key, the same replica; keys spread over the
+    replicas; when one goes away, only the keys it had move (rendezvous hashing)."""
+    replicas = _replicas(3)
+    keys = [f"session-{i}" for i in range(90)]
+    before = {k: by_key(replicas, k) for k in keys}
+    assert all(by_key(replicas[::-1], k) is before[k] for k in keys)  # order plays no part
+    counts = [sum(r is before[k] for k in keys) for r in replicas]
+    assert min(counts) >= 15, counts
+    lost = replicas[1]
+    after = {k: by_key([replicas[0], replicas[2]], k) for k in keys}
+    assert all(after[k] is before[k] for k in keys if before[k] is not lost)
+    policy = CacheAware()  # the key's replica learns the prompt, as a policy's choice does
+    policy.learn(replicas[2], [1, 2, 3])
+    assert policy.trees["r2"].match((1, 2, 3)) == 3
 
 
 def test_replica_set_prefers_replicas_heard_from_lately():
