@@ -13,6 +13,8 @@ The CLIs are the ones `make clients` pins in tests/clients/package-lock.json.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.cli_agents import cli, json_lines, run_cli
@@ -73,3 +75,48 @@ def test_claude_code_tool_round_trip_hits_the_cache(server, tmp_path):
     assert events[-1]["subtype"] == "success" and events[-1]["result"] == ANSWER
     cached = then["cache_read_input_tokens"]
     assert log_lines(server, rf"POST /v1/messages 200, .*#cached-token: {cached}, ")
+
+
+CODEX_CONFIG = """\
+model = "m"
+model_provider = "radix-mlx"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.radix-mlx]
+name = "radix-mlx"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_key = "RADIX_MLX_API_KEY"
+request_max_retries = 0
+stream_max_retries = 0
+"""
+
+
+def test_codex_turn_with_a_function_call_round_trip(server, tmp_path):
+    """`codex exec` through a `wire_api = "responses"` provider: the model calls Codex's
+    exec_command, Codex runs it (no sandbox: the command is the script's `echo`) and
+    sends its output back, and the turn completes with the answer."""
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(CODEX_CONFIG.format(url=server.url))
+    env = {"CODEX_HOME": str(home), "RADIX_MLX_API_KEY": "dummy"}
+    cmd = [cli("codex"), "exec", "--json", "--skip-git-repo-check",
+           "--sandbox", "danger-full-access", "print a word"]  # fmt: skip
+    events = json_lines(run_cli(cmd, tmp_path, env, timeout=240).stdout)
+    items = [e["item"] for e in events if e["type"] == "item.completed"]
+    (command,) = [i for i in items if i["type"] == "command_execution"]
+    assert SCRIPTS["exec_command"]["cmd"] in command["command"]
+    assert command["exit_code"] == 0 and command["aggregated_output"] == RAN + "\n"
+    assert [i["text"] for i in items if i["type"] == "agent_message"] == [ANSWER]
+    (done,) = [e for e in events if e["type"] == "turn.completed"]
+    assert done["usage"]["output_tokens"] == 4  # the call's 2 tokens, the answer's 2
+    # the request after the call reads the first one's prompt from the cache, all but
+    # its generation prompt
+    first, then = log_lines(server, r"POST /v1/responses 200")[-2:]
+    prompt = int(re.search(r"#prompt-token: (\d+)", first)[1])
+    cached = [int(re.search(r"#cached-token: (\d+)", line)[1]) for line in (first, then)]
+    assert prompt - 16 <= cached[1] < prompt
+    assert done["usage"]["cached_input_tokens"] == sum(cached)  # Codex's sum over its requests
