@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.doc_commands import ROOT, section_blocks
+
 BIN = ROOT / ".cache" / "clients" / "node_modules" / ".bin"
+README_URL = "http://127.0.0.1:30000"  # where the README's settings point
+SERVED = ["--served-model-name", "local", "--model-alias", "claude-*"]  # as the README serves
 # what keeps Claude Code from calling home (Codex's switches are in its config.toml)
 QUIET = {
     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -46,6 +49,13 @@ def run_cli(cmd: list, home: Path, env: dict, timeout: float = 120) -> subproces
     )  # fmt: skip
     assert out.returncode == 0, f"{cmd[0]} exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
     return out
+
+
+def readme_settings(lang: str, url: str) -> list[str]:
+    """The README's "Use it with your agent" blocks in `lang`, pointed at `url`."""
+    blocks = section_blocks((ROOT / "README.md").read_text(), "Use it with your agent", lang)
+    assert blocks and all(README_URL in b or lang == "bash" for b in blocks), blocks
+    return [b.replace(README_URL, url) for b in blocks]
 
 
 def json_lines(text: str) -> list[dict]:

@@ -2,11 +2,13 @@
 agent model (tests/scripted_agent_model.py: it calls the agent's shell tool with
 `echo radix-mlx-tool-ran`, then answers once the result is back):
 
-- Claude Code headless (`claude -p --output-format stream-json`, ANTHROPIC_BASE_URL at
-  the server): a request round trip, and a tool round trip: tool_use, the tool runs,
-  tool_result, and the next turn reads the whole conversation so far from the cache;
-- Codex (`codex exec --json`) through a provider with `wire_api = "responses"`: a turn
-  completes, and a function call round-trips the same way.
+- Claude Code headless (`claude -p --output-format stream-json`) with the environment
+  the README's "Use it with your agent" gives, its ANTHROPIC_BASE_URL at the server: a
+  request round trip, and a tool round trip: tool_use, the tool runs, tool_result, and
+  the next turn reads the whole conversation so far from the cache;
+- Codex (`codex exec --json`) with the README's config.toml (a provider with
+  `wire_api = "responses"`), its base_url at the server: a turn completes, and a
+  function call round-trips the same way.
 
 The CLIs are the ones `make clients` pins in tests/clients/package-lock.json.
 """
@@ -17,7 +19,7 @@ import re
 
 import pytest
 
-from tests.cli_agents import cli, json_lines, run_cli
+from tests.cli_agents import SERVED, cli, json_lines, readme_settings, run_cli
 from tests.scripted_agent_model import ANSWER, SCRIPTS
 from tests.server import checked_server, log_lines
 
@@ -28,15 +30,16 @@ RAN = "radix-mlx-tool-ran"  # what the scripted `echo` prints
 @pytest.fixture(scope="module")
 def server(scripted_agent_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("cli-agents") / "server.log"
-    with checked_server(scripted_agent_model, log, ["--served-model-name", "m"]) as srv:
+    with checked_server(scripted_agent_model, log, SERVED) as srv:
         yield srv
 
 
 def claude(server, tmp_path, *args: str) -> list[dict]:
-    """`claude -p` headless; its stream-json events."""
-    env = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "dummy"}
-    cmd = [cli("claude"), "-p", *args, "--output-format", "stream-json", "--verbose",
-           "--model", "m"]  # fmt: skip
+    """`claude -p` headless in the README's environment; its stream-json events."""
+    (exports,) = [b for b in readme_settings("bash", server.url) if "ANTHROPIC_BASE_URL" in b]
+    env = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())
+    assert env["ANTHROPIC_BASE_URL"] == server.url and "ANTHROPIC_MODEL" in env
+    cmd = [cli("claude"), "-p", *args, "--output-format", "stream-json", "--verbose"]
     return json_lines(run_cli(cmd, tmp_path, env).stdout)
 
 
@@ -77,31 +80,14 @@ def test_claude_code_tool_round_trip_hits_the_cache(server, tmp_path):
     assert log_lines(server, rf"POST /v1/messages 200, .*#cached-token: {cached}, ")
 
 
-CODEX_CONFIG = """\
-model = "m"
-model_provider = "radix-mlx"
-check_for_update_on_startup = false
-
-[analytics]
-enabled = false
-
-[model_providers.radix-mlx]
-name = "radix-mlx"
-base_url = "{url}/v1"
-wire_api = "responses"
-env_key = "RADIX_MLX_API_KEY"
-request_max_retries = 0
-stream_max_retries = 0
-"""
-
-
 def test_codex_turn_with_a_function_call_round_trip(server, tmp_path):
     """`codex exec` through a `wire_api = "responses"` provider: the model calls Codex's
     exec_command, Codex runs it (no sandbox: the command is the script's `echo`) and
     sends its output back, and the turn completes with the answer."""
     home = tmp_path / "codex"
     home.mkdir()
-    (home / "config.toml").write_text(CODEX_CONFIG.format(url=server.url))
+    (config,) = readme_settings("toml", server.url)
+    (home / "config.toml").write_text(config)
     env = {"CODEX_HOME": str(home), "RADIX_MLX_API_KEY": "dummy"}
     cmd = [cli("codex"), "exec", "--json", "--skip-git-repo-check",
            "--sandbox", "danger-full-access", "print a word"]  # fmt: skip
