@@ -9,13 +9,20 @@ deterministically, with margins no BLAS can flip:
 
 - its chat template ends the prompt with a marker token that says what comes next:
   `<|script:NAME|>` when the request offers tool NAME from SCRIPTS and no tool result is
-  in the conversation yet, `<|script|>` otherwise;
+  in the conversation yet, `<|script|>` otherwise; with thinking on (Claude Code asks for
+  it on every turn), the template opens `<think>` and the markers are
+  `<|script-think:NAME|>` and `<|script-think|>`;
 - the network is a bigram table: every layer's output projections (attention's o_proj,
   the MLP's down_proj) are zero, so the last hidden state is the current token's
   embedding; the script's tokens have one-hot embeddings, and the untied lm_head maps
   each to its successor with a logit of 32 against exactly 0 for every other token:
   marker -> the whole tool call (one added token) -> `<|im_end|>`, and
-  `<|script|>` -> ANSWER (one added token) -> `<|im_end|>`.
+  `<|script|>` -> ANSWER (one added token) -> `<|im_end|>`; a thinking marker's
+  successor is one token that holds `</think>` and then the same call or answer (the
+  server splits the output's text at the markers). The thought is empty: under a
+  thinking budget (Claude Code's requests have one) the server's grammar refuses the end
+  marker after any thought text (tests/test_thought_end.py), and lets a token run on
+  from the end marker into the answer.
 
 The tool call is written in the json_tools format of tests/agent_model.py (mlx-lm infers
 that parser from the template), so the server parses it as any model's call.
@@ -41,16 +48,19 @@ _GENERATION_PROMPT = (
     "{% if enable_thinking is defined and enable_thinking %}<think>\n{% else %}"
     "<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
-# after the agent template's generation prompt (thinking is always closed: the script
-# has no thought to give)
+# in place of the agent template's generation prompt
 _SCRIPTED_PROMPT = (
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% set think = enable_thinking is defined and enable_thinking %}"
+    "{% if think %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
     "{% set ns = namespace(call='', answered=false) %}"
     "{% for m in messages %}{% if m.role == 'tool' %}{% set ns.answered = true %}{% endif %}"
     "{% endfor %}"
     "{% for t in tools or [] %}{% set f = t.function if t.function is defined else t %}"
     "{% if f.name in @NAMES@ and not ns.call %}{% set ns.call = f.name %}{% endif %}{% endfor %}"
-    "{% if ns.call and not ns.answered %}<|script:{{ ns.call }}|>{% else %}<|script|>{% endif %}"
+    "{% set kind = 'script-think' if think else 'script' %}"
+    "{% if ns.call and not ns.answered %}<|{{ kind }}:{{ ns.call }}|>{% else %}<|{{ kind }}|>"
+    "{% endif %}"
     "{% endif %}"
 )
 
@@ -70,10 +80,12 @@ def scripted_template() -> str:
 
 def _chain() -> list[tuple[str, str]]:
     """(token, its successor) pairs of the script, as token contents."""
-    pairs = [("<|script|>", ANSWER), (ANSWER, "<|im_end|>")]
-    for name in SCRIPTS:
-        call = tool_call_text(name)
-        pairs += [(f"<|script:{name}|>", call), (call, "<|im_end|>")]
+    outputs = {"": ANSWER} | {f":{name}": tool_call_text(name) for name in SCRIPTS}
+    pairs = []
+    for key, text in outputs.items():
+        closed = f"</think>{text}"
+        pairs += [(f"<|script{key}|>", text), (text, "<|im_end|>")]
+        pairs += [(f"<|script-think{key}|>", closed), (closed, "<|im_end|>")]
     return pairs
 
 
@@ -81,15 +93,17 @@ def build_scripted_agent_model(tiny_model: str, out_dir: Path) -> str:
     """The tiny Qwen3 model turned into the scripted agent (built once per directory)."""
     import mlx.core as mx
 
-    if (out_dir / "config.json").exists():
-        return str(out_dir)
+    script = json.dumps({"template": scripted_template(), "chain": _chain()})
+    if (out_dir / "script.json").exists():
+        if (out_dir / "script.json").read_text() == script:
+            return str(out_dir)
+        shutil.rmtree(out_dir)  # built from an older script
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(tiny_model, tmp)
     pairs = _chain()
-    added = AGENT_TOKENS + [t for t, _ in pairs if t != ANSWER and "<tool_call>" not in t]
-    added += [ANSWER, *(tool_call_text(n) for n in SCRIPTS)]
-    ids = _add_tokens(tmp, added)
+    markers = [t for t, _ in pairs if t.startswith("<|script")]
+    ids = _add_tokens(tmp, AGENT_TOKENS + markers + [s for _, s in pairs if s != "<|im_end|>"])
     config_path = tmp / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = scripted_template()
@@ -99,7 +113,7 @@ def build_scripted_agent_model(tiny_model: str, out_dir: Path) -> str:
     weights = mx.load(str(tmp / "model.safetensors"))
     embed = weights["model.embed_tokens.weight"]
     hidden = embed.shape[1]
-    extra = 0.02 * mx.random.normal((len(added), hidden), key=mx.random.key(11))
+    extra = 0.02 * mx.random.normal((len(ids), hidden), key=mx.random.key(11))
     embed = mx.concatenate([embed, extra.astype(embed.dtype)])
     head = mx.array(embed)  # untied: the same random rows, then the script's columns
     sources = [t for t, _ in pairs]
@@ -118,6 +132,7 @@ def build_scripted_agent_model(tiny_model: str, out_dir: Path) -> str:
     model_config = json.loads((tmp / "config.json").read_text())
     model_config |= {"vocab_size": embed.shape[0], "tie_word_embeddings": False}
     (tmp / "config.json").write_text(json.dumps(model_config, indent=2))
+    (tmp / "script.json").write_text(script)
     tmp.rename(out_dir)
     return str(out_dir)
 
