@@ -7,6 +7,7 @@ counts, so the same code judges every backend.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -119,6 +120,7 @@ def compute_metrics(run: RunResult) -> dict[str, Any]:
         for stat, v in _stats(values).items():
             m[f"{stat}_{name}_ms"] = v
     m["ttft_by_label_ms"] = _by_label(ok)
+    m["cached_share_by_label"] = _cached_by_label(ok)
     m["first_token_held_by_mlx_lm"] = run.info.get("first_token_held_by_mlx_lm")
     m["foreign_cpu_cores"] = run.info.get("foreign_cpu_cores")
     return m
@@ -132,6 +134,18 @@ def _by_label(ok: list[RequestResult]) -> dict[str, float]:
     if len(groups) < 2:
         return {}
     return {k: float(np.median(v)) * 1000 for k, v in groups.items()}
+
+
+def _cached_by_label(ok: list[RequestResult]) -> dict[str, float]:
+    """Cached share of the prompt tokens per label (turn1..n) when a run has several."""
+    prompt: dict[str, int] = defaultdict(int)
+    cached: dict[str, int] = defaultdict(int)
+    for r in ok:
+        prompt[r.label] += r.prompt_len
+        cached[r.label] += r.cached_tokens
+    if len(prompt) < 2:
+        return {}
+    return {k: cached[k] / max(prompt[k], 1) for k in prompt}
 
 
 def format_table(run: RunResult, m: dict[str, Any]) -> str:
@@ -169,6 +183,8 @@ def format_table(run: RunResult, m: dict[str, Any]) -> str:
             )
     for label, v in m["ttft_by_label_ms"].items():
         lines.append(f"{f'Median TTFT {label} (ms):':<42}{v:.2f}")
+    for label, v in m.get("cached_share_by_label", {}).items():
+        lines.append(f"{f'Cached-token share {label}:':<42}{v:.1%}")
     lines += _warnings(m)
     lines.append("=" * 50)
     return "\n".join(lines)
@@ -227,6 +243,8 @@ def metric(m: dict[str, Any], name: str) -> float:
     """A comparison metric, including per-label TTFTs like `ttft_warm`."""
     if name.startswith("ttft_") and name[5:] in m["ttft_by_label_ms"]:
         return m["ttft_by_label_ms"][name[5:]]
+    if name.startswith("cached_share_"):
+        return m.get("cached_share_by_label", {}).get(name[13:], math.nan)
     return float(m[name])
 
 
@@ -279,12 +297,16 @@ def _rows_for(per: dict[str, dict]) -> list[tuple[str, str, str]]:
     extra = [
         (f"TTFT {lab} ms", f"ttft_{lab}", "{:.1f}") for lab in ("cold", "warm") if lab in labels
     ]
+    turns = sorted((lab for lab in labels if lab.startswith("turn")), key=lambda x: int(x[4:]))
+    for lab in turns:  # a conversation's turns: what the cache held and how soon it answered
+        extra += [(f"cached share {lab}", f"cached_share_{lab}", "{:.1%}"),
+                  (f"TTFT {lab} ms", f"ttft_{lab}", "{:.1f}")]  # fmt: skip
     return list(COMPARE_ROWS) + extra
 
 
 def _ratio(per: dict[str, dict], backend: str, name: str) -> str:
     """backend ÷ mlx_lm.server; none for shares, where a ratio of near-zeros means nothing."""
-    if backend not in per or REFERENCE not in per or name == "cached_share":
+    if backend not in per or REFERENCE not in per or name.startswith("cached_share"):
         return "-"
     den = metric(per[REFERENCE], name)
     return f"{metric(per[backend], name) / den:.2f}x" if den else "-"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from benchmarks.conversations import ChatSender, ResponsesSender
 from benchmarks.records import RunResult, WorkloadSpec
 from benchmarks.report import (
     CpuMeter,
@@ -56,7 +57,10 @@ from common.tiny_presets import PRESETS
 from router.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
-BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram", "radix-mlx-draft")
+BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram", "radix-mlx-draft",
+            "radix-mlx-chat", "radix-mlx-responses")  # fmt: skip
+# radix-mlx spoken to through the chat or the Responses API (benchmarks.conversations)
+CONVERSATION_SENDERS = {"radix-mlx-chat": ChatSender, "radix-mlx-responses": ResponsesSender}
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
 # mlx_lm.server with OpenBLAS loaded first, as radix-mlx's worker does: same BLAS for both.
 MLX_LM_MAIN = (
@@ -132,6 +136,8 @@ class ManagedServer(ServerProcess):
 
 
 def make_sender(ep: Endpoint, transport: str, connections: int):
+    if ep.backend in CONVERSATION_SENDERS:
+        return CONVERSATION_SENDERS[ep.backend](ep.url, connections)
     if transport == "sdk":
         if ep.backend == "mlx-lm" or not ep.zmq_address:
             raise ValueError("--transport sdk needs a radix-mlx backend and its ZMQ address")

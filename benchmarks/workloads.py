@@ -421,11 +421,16 @@ async def run_session(
     sem: asyncio.Semaphore | None,
     progress: Progress,
 ) -> list[RequestResult]:
-    """Turns of one session in order; a conversation carries its real answers forward."""
+    """Turns of one session in order; a conversation carries its real answers forward
+    (a conversation sender, benchmarks.conversations, carries them itself: it is sent
+    each turn's new part alone)."""
     out: list[RequestResult] = []
     prompt = s.turns[0]
+    conversation = sender.conversation() if hasattr(sender, "conversation") else None
     for k, (user, out_len, label) in enumerate(zip(s.turns, s.output_lens, s.labels)):
-        if k and s.carry_history:
+        if conversation is not None:
+            prompt = user
+        elif k and s.carry_history:
             prev = out[-1]
             as_text = text_prompts or s.history_as_text
             prompt = factory.continued(prompt, prev.output_ids, prev.output_text, user, as_text)
@@ -436,7 +441,7 @@ async def run_session(
             res.error = "an earlier turn of this conversation failed"
         else:
             async with sem or contextlib.nullcontext():
-                await send_one(sender, prompt, out_len, res)
+                await send_one(conversation or sender, prompt, out_len, res)
         out.append(res)
         progress.update()
     return out

@@ -105,6 +105,26 @@ def test_agent_workload_hits_the_cache_every_turn(endpoint, tokenizer):
     assert m["cached_share"] > 0.5
 
 
+@pytest.mark.parametrize("backend", ["radix-mlx-chat", "radix-mlx-responses"])
+def test_agent_workload_through_chat_and_responses(tiny_server, tokenizer, backend):
+    """The agent sessions as chats that grow: the whole history through the chat API, or
+    each new turn alone through the Responses API with previous_response_id, which hits
+    the cache for the whole previous turn (its prompt and answer, as the model saw them)."""
+    params = dict(sessions=2, turns=3, system_len=96, task_len=16, result_len=16, output_len=8)
+    ep = Endpoint(backend, tiny_server.url)
+    run, m = _run(ep, tokenizer, WorkloadSpec("agent", params), max_concurrency=2)
+    assert m["failed"] == 0, m["errors"]
+    assert all(r.output_len == 8 and 0 < r.ttft <= r.latency for r in run.requests)
+    assert set(m["cached_share_by_label"]) == {"turn1", "turn2", "turn3"}
+    turns = [run.requests[i : i + 3] for i in range(0, len(run.requests), 3)]
+    for session in turns:
+        assert [r.label for r in session] == ["turn1", "turn2", "turn3"]
+        for prev, r in zip(session, session[1:]):
+            assert r.prompt_len > prev.prompt_len + prev.output_len
+            whole = prev.prompt_len + (prev.output_len if backend.endswith("responses") else 0)
+            assert r.cached_tokens >= whole - 1, (prev, r)  # all but a token never computed
+
+
 def test_repeat_workload_reports_the_warm_hit(endpoint, tokenizer):
     spec = WorkloadSpec("repeat", dict(length=384, output_len=4, warm_runs=2))
     run, m = _run(endpoint, tokenizer, spec)

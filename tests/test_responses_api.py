@@ -7,6 +7,9 @@ tool choice or a grammar, so what is checked is known."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import httpx
 import jsonschema
@@ -105,20 +108,22 @@ def test_text_response_and_its_stream(oai):
 
 def test_greedy_output_equals_the_chat_route(oai):
     """The same conversation as Responses items and as chat messages: the same prompt,
-    so the same greedy tokens and text."""
+    so the same greedy tokens and text. A developer message is system text."""
     items = [
+        {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "message", "role": "assistant",
          "content": [{"type": "output_text", "text": "Which days?"}]},
         {"role": "user", "content": [{"type": "input_text", "text": "Tomorrow."}]},
     ]  # fmt: skip
     messages = [{"role": "system", "content": INSTRUCTIONS},
+                {"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "Which days?"},
                 {"role": "user", "content": "Tomorrow."}]  # fmt: skip
     out = create(oai, input=items, instructions=INSTRUCTIONS, max_output_tokens=24, store=False)
     chat = oai.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
-    assert out.output_text == chat.choices[0].message.content
+    assert out.output_text == chat.choices[0].message.content and out.usage.output_tokens > 1
     assert out.usage.input_tokens == chat.usage.prompt_tokens
     assert out.usage.output_tokens == chat.usage.completion_tokens
 
@@ -198,6 +203,48 @@ def test_function_call_round_trip_with_hosted_tools_dropped(oai, server):
     assert len(log_lines(server, "dropped tools")) == warned + 4  # one per request
 
 
+def test_a_call_cut_short_is_incomplete(oai):
+    """A forced call that max_output_tokens cuts inside its arguments: the function_call
+    item streamed so far says incomplete, and so does the response."""
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}},
+              "required": ["text"]}  # fmt: skip
+    write = {"type": "function", "name": "write", "parameters": schema}
+    choice = {"type": "function", "name": "write"}  # its header, then 400 characters at least
+    out = create(oai, input="Write!", tools=[write], tool_choice=choice, max_output_tokens=40)
+    assert out.status == "incomplete"
+    call = out.output[0]
+    assert call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.arguments)
+
+
+def test_parallel_tool_calls(oai):
+    """Two calls in one answer (written by a regex): both are function_call items, in
+    order, streamed or not; with parallel_tool_calls false, the first alone."""
+    calls = [("Paris", 1), ("Rome", 2)]
+    regex = "".join(
+        rf'<tool_call>\n\{{"name": "get_weather", "arguments": \{{"city": "{city}", '
+        rf'"days": {days}\}}\}}\n</tool_call>\n'
+        for city, days in calls
+    )
+    kw = dict(input="Weather in Paris and Rome?", tools=[GET_WEATHER], max_output_tokens=200,
+              extra_body={"regex": regex})  # fmt: skip
+    both = create(oai, **kw)
+    assert [(c.name, json.loads(c.arguments)) for c in both.output] == [
+        ("get_weather", {"city": city, "days": days}) for city, days in calls
+    ]
+    events = stream_events(oai, **kw)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [item.type for item in added] == ["function_call", "function_call"]
+    assert [c.arguments for c in events[-1].response.output] == [c.arguments for c in both.output]
+    first = create(oai, **kw, parallel_tool_calls=False)
+    assert [c.arguments for c in first.output] == [both.output[0].arguments]
+    assert first.parallel_tool_calls is False
+    events = stream_events(oai, **kw, parallel_tool_calls=False)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == both.output[0].arguments
+
+
 def test_text_format_json_schema(oai):
     """text.format holds the answer to the schema through the grammar engine; the SDK's
     stream helper assembles the same completed response."""
@@ -271,3 +318,42 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.slow
+def test_prompt_cache_key_keeps_requests_on_one_replica(agent_model, tmp_path_factory):
+    """Two replicas: requests with one prompt_cache_key and unrelated prompts all go to the
+    replica the key picks (reason `route_key` in the routing metrics)."""
+    log = tmp_path_factory.mktemp("responses-dp") / "server.log"
+    with checked_server(agent_model, log, [*SERVER, "--dp-size", "2"]) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+            for i, prompt in enumerate(["alpha", "a b c d e f", "zz top", "7 8 9"]):
+                create(client, input=prompt * (i + 1), prompt_cache_key="session-1",
+                       max_output_tokens=2)  # fmt: skip
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert 'reason="route_key"} 4.0' in metrics
+    routed = [line for line in metrics.splitlines()
+              if line.startswith("radix_mlx_replica_requests_total{")]  # fmt: skip
+    assert sorted(float(line.split()[-1]) for line in routed)[-1] >= 4.0, routed
+
+
+@pytest.mark.slow
+def test_a_failure_midway_is_an_error_event_then_response_failed(oai, server):
+    """Runs last in the module: it kills the worker mid-stream (the server restarts it).
+    The stream ends with an `error` event and `response.failed` carrying the reason."""
+    events, killed = [], False
+    with oai.responses.create(model="m", input="Go on.", stream=True, max_output_tokens=3000,
+                              extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+        for event in stream:
+            events.append(STREAM_EVENT.validate_python(event.model_dump(exclude_unset=True)))
+            if not killed and event.type.endswith(".delta") and len(events) > 5:
+                os.kill(server.child("worker"), signal.SIGKILL)
+                killed = True
+    error, failed = events[-2:]
+    assert error.type == "error" and "worker process exited" in error.message
+    assert failed.type == "response.failed" and failed.response.status == "failed"
+    assert failed.response.error.message == error.message
+    deadline = time.monotonic() + 120
+    while httpx.get(server.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the server did not recover"
+        time.sleep(0.5)

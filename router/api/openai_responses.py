@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -35,14 +36,16 @@ from router.responses import _aclose_shielded, first_chunk, whole
 from router.thinking_signature import ThinkingSigner
 
 
+@dataclass
 class _Turn:
     """What planning one request decided: the prompt and how its output is read, and the
     chat it renders (for the store)."""
 
-    def __init__(self, ids: list[int], prompt: ChatPrompt, grammar, messages: list[dict],
-                 rendered: str):  # fmt: skip
-        self.ids, self.prompt, self.grammar = ids, prompt, grammar
-        self.messages, self.rendered = messages, rendered
+    ids: list[int]
+    prompt: ChatPrompt
+    grammar: tuple[str, str] | None
+    messages: list[dict]
+    rendered: str
 
 
 class ResponsesRoutes:

@@ -57,8 +57,10 @@ class ResponsesRequest(RequestBody):
     truncation: str | None = None
     prompt_cache_key: str | None = None
     background: StrictBool | None = None
-    # as on the chat route: the template's arguments, SGLang's regex / ebnf output formats
+    # as on the chat route: the template's arguments, SGLang's regex / ebnf output formats,
+    # ignore_eos (benchmarks use it for outputs of a fixed length)
     chat_template_kwargs: dict[str, Any] | None = None
+    ignore_eos: StrictBool | None = False
     regex: str | None = None
     ebnf: str | None = None
 
@@ -81,6 +83,7 @@ class ResponsesRequest(RequestBody):
             max_new_tokens=max_new_tokens,
             temperature=d.temperature if self.temperature is None else self.temperature,
             top_p=d.top_p if self.top_p is None else self.top_p,
+            ignore_eos=bool(self.ignore_eos),
             grammar_kind=kind,
             grammar=source,
         )
@@ -257,14 +260,16 @@ def input_messages(items, fmt: ChatFormat, seal: ReasoningSeal) -> list[dict]:
 
 
 def with_thought(turn: dict, thought: str, fmt: ChatFormat) -> None:
-    """An assistant turn with its thought, as the model wrote it (between its thinking
-    markers, Qwen3's layout, which templates that keep thoughts parse back), or as
-    `reasoning_content` for a model without markers."""
+    """An assistant turn with its thought as the model wrote it after a generation prompt
+    that opened its thinking block (`<think>\n`, as Qwen3's and DeepSeek's do): the
+    thought, the end marker, then the answer's text, which keeps the space the model wrote
+    after the marker. So a template that writes the turn's content as it is renders what
+    the model saw, and one that keeps thoughts (Qwen3's) parses it back. A model without
+    markers gets it as `reasoning_content`."""
     if fmt.think_start is None or fmt.think_end is None:
         turn["reasoning_content"] = thought
         return
-    text = thought.strip("\n")
-    turn["content"] = f"{fmt.think_start}\n{text}\n{fmt.think_end}\n\n" + turn["content"]
+    turn["content"] = f"{fmt.think_start}\n{thought}{fmt.think_end}" + turn["content"]
 
 
 def _message(item: dict, where: str) -> dict:

@@ -33,6 +33,7 @@ class ResponseBuilder:
         self.space = ""  # whitespace between items, held until a message opens
         self.text = ""  # the open item's text (summary text, message text, arguments)
         self.calls: dict[str, dict] = {}  # call id -> its item
+        self.call_at: dict[int, dict] = {}  # the splitter's call index -> its item
         self.token_ids: list[int] = []
         self.reasoning_tokens = 0
 
@@ -115,15 +116,13 @@ class ResponseBuilder:
 
     def _call_delta(self, delta: ToolDelta) -> list[dict]:
         out = []
-        if delta.name is not None:
-            if self.calls and not self.parallel:
-                return []  # parallel_tool_calls false: the first call alone
+        if delta.name is not None and (self.parallel or not self.calls):
             item = {"id": new_id("fc"), "type": "function_call", "call_id": delta.id,
                     "name": delta.name, "arguments": "", "status": "in_progress"}  # fmt: skip
             out += self._open(item)
-            self.calls[delta.id] = item
-        elif (self.item or {}).get("type") != "function_call":
-            return []
+            self.calls[delta.id] = self.call_at[delta.index] = item
+        if self.item is None or self.call_at.get(delta.index) is not self.item:
+            return out  # a call left out (parallel_tool_calls false) or already closed
         if delta.arguments:
             self.text += delta.arguments
             out.append(self.event("response.function_call_arguments.delta",
@@ -136,6 +135,7 @@ class ResponseBuilder:
         if item is None or item is not self.item:
             return []
         self.text = call.arguments  # as parsed: the deltas' text unless the format differs
+        item["status"] = "completed"
         return self.close()
 
     def close(self, status: str = "completed") -> list[dict]:
@@ -166,10 +166,12 @@ class ResponseBuilder:
                            part=_text_part(text)),
             ]  # fmt: skip
             item["content"], item["status"] = [_text_part(text)], status
-        else:
+        else:  # a call closed before its end (cut short, or unparsable) is incomplete
             out.append(self.event("response.function_call_arguments.done", **ids,
                                   name=item["name"], arguments=text))  # fmt: skip
-            item["arguments"], item["status"] = text, status
+            item["arguments"] = text
+            if item["status"] != "completed":
+                item["status"] = "incomplete"
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
     # ------------------------------------------------------------ the end
