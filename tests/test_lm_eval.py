@@ -46,7 +46,7 @@ def test_multiple_choice_loglikelihoods_equal_mlx_lm(tiny_server, tiny_model, tm
     served = httpx.get(tiny_server.url + "/v1/models").json()["data"][0]["id"]
     lm = LocalCompletionsAPI(
         base_url=tiny_server.url + "/v1/completions", model=served, tokenizer=tiny_model,
-        tokenizer_backend="huggingface", tokenized_requests=True, max_retries=1,
+        tokenizer_backend="huggingface", tokenized_requests=True, max_retries=1, timeout=60,
     )  # fmt: skip
     results = simple_evaluate(
         model=lm, tasks=["radix_mlx_choice"], log_samples=True,

@@ -31,6 +31,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of a p
 ASK = "What is the weather in Paris?"
 WEATHER = "sunny, 21 C"
 CALL = SCRIPTS["get_weather"]
+TIMEOUT = 60  # seconds, for any one request
 
 
 def get_weather(city: str) -> str:
@@ -78,7 +79,7 @@ def test_openai_agents_runs_a_tool(server):
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
     tool = agents.function_tool(get_weather)
     for model in (
         agents.OpenAIResponsesModel("local", client),  # the SDK's default kind of model
@@ -101,7 +102,7 @@ def test_langchain_tools_and_structured_output(server, responses_api):
 
     llm = ChatOpenAI(
         model="local", base_url=server.url + "/v1", api_key="-", max_retries=0, temperature=0,
-        use_responses_api=responses_api, max_tokens=64,
+        timeout=TIMEOUT, use_responses_api=responses_api, max_tokens=64,
     )  # fmt: skip
     history = [HumanMessage(ASK)]
     call = llm.bind_tools([get_weather]).invoke(history)
@@ -117,7 +118,7 @@ def test_langchain_tools_and_structured_output(server, responses_api):
 def test_litellm_chat_anthropic_and_responses(server):
     import litellm
 
-    base = dict(api_base=server.url + "/v1", api_key="-", max_tokens=64)
+    base = dict(api_base=server.url + "/v1", api_key="-", max_tokens=64, timeout=TIMEOUT)
     messages = [{"role": "user", "content": ASK}]
     out = litellm.completion(model="openai/local", messages=messages, tools=[WEATHER_TOOL], **base)
     (call,) = out.choices[0].message.tool_calls
@@ -131,7 +132,7 @@ def test_litellm_chat_anthropic_and_responses(server):
     assert out.usage.prompt_tokens_details.cached_tokens > 0
 
     # the Anthropic route: LiteLLM's Anthropic provider against our /v1/messages
-    anthropic_base = dict(api_base=server.url, api_key="-", max_tokens=64)
+    anthropic_base = dict(api_base=server.url, api_key="-", max_tokens=64, timeout=TIMEOUT)
     out = litellm.completion(model="anthropic/local", messages=[{"role": "user", "content": "hi"}],
                              **anthropic_base)  # fmt: skip
     assert out.choices[0].message.content == ANSWER
@@ -144,7 +145,7 @@ def test_litellm_chat_anthropic_and_responses(server):
     assert log_lines(server, r"POST /v1/messages 200")
 
     response = litellm.responses(model="openai/local", input="hi", api_base=server.url + "/v1",
-                                 api_key="-", max_output_tokens=64)  # fmt: skip
+                                 api_key="-", max_output_tokens=64, timeout=TIMEOUT)  # fmt: skip
     assert response.output[-1].content[0].text == ANSWER
 
 
