@@ -11,14 +11,14 @@ ARGS ?=
 PYTEST_ARGS ?=
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: setup openblas prometheus run-local test test-fast lint format bench clean
+.PHONY: setup openblas prometheus clients run-local test test-fast lint format bench clean
 
 setup: $(STAMP) openblas
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,clients]'
 	@touch $(STAMP)
 
 openblas:
@@ -31,6 +31,24 @@ openblas:
 	    echo "note: run 'sudo apt-get install libopenblas0-pthread' for 10-40x faster prefill on CPU"; \
 	  fi; \
 	fi
+
+# The agents' CLIs (Claude Code, Codex), exactly as tests/clients/package-lock.json pins
+# them, into $(CLIENTS); Node from Debian when it is missing and we are root. Best effort:
+# without them tests/test_cli_agents.py skips.
+CLIENTS := .cache/clients
+clients: $(CLIENTS)/.installed
+
+$(CLIENTS)/.installed: tests/clients/package.json tests/clients/package-lock.json
+	@if ! command -v npm >/dev/null && [ "$$(uname -s)" = "Linux" ] && [ "$$(id -u)" = "0" ]; then \
+	  echo "installing Node.js and npm (for the agents' CLIs the tests run)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm) >/dev/null \
+	    || echo "warning: could not install nodejs and npm"; \
+	fi
+	@if command -v npm >/dev/null; then \
+	  mkdir -p $(CLIENTS) && cp tests/clients/package.json tests/clients/package-lock.json $(CLIENTS)/ \
+	  && npm ci --prefix $(CLIENTS) --no-audit --no-fund --loglevel=error && touch $@ \
+	  || echo "warning: npm ci failed; the CLI agent tests will be skipped"; \
+	else echo "note: no npm; the CLI agent tests will be skipped"; fi
 
 # Best effort: the metrics tests start a real Prometheus when one is installed.
 prometheus:
@@ -46,7 +64,7 @@ run-local: setup
 	echo "serving $$model on http://127.0.0.1:$(PORT)"; \
 	exec $(VENV)/bin/radix-mlx serve --model-path "$$model" --port $(PORT) $(ARGS)
 
-test: setup prometheus
+test: setup prometheus clients
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup prometheus

@@ -50,6 +50,16 @@ def agent_model(tiny_model, model_cache) -> str:
     return build_agent_model(tiny_model, Path(model_cache) / "agent-tiny-qwen3")
 
 
+@pytest.fixture(scope="session")
+def scripted_agent_model(tiny_model, model_cache) -> str:
+    """A tiny model that calls a tool it knows, then answers (tests/scripted_agent_model.py)."""
+    from pathlib import Path
+
+    from tests.scripted_agent_model import build_scripted_agent_model
+
+    return build_scripted_agent_model(tiny_model, Path(model_cache) / "scripted-agent-qwen3")
+
+
 @functools.cache
 def load_model(path: str):
     from mlx_lm import load

@@ -21,6 +21,13 @@ def shell_blocks(markdown: str) -> list[str]:
     return [body for lang, body in _FENCE.findall(markdown) if lang in SHELL_FENCES]
 
 
+def section_blocks(markdown: str, heading: str, lang: str) -> list[str]:
+    """The `lang` code blocks of the Markdown section under `## heading`."""
+    start = markdown.index(f"\n## {heading}\n")
+    end = markdown.find("\n## ", start + 1)
+    return [body for kind, body in _FENCE.findall(markdown[start:end]) if kind == lang]
+
+
 def shell_lines(script: str) -> list[str]:
     """Logical lines (backslash continuations joined), comments dropped."""
     joined = re.sub(r"\\\n", " ", script)
