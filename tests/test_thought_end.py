@@ -35,8 +35,8 @@ def budget_matcher(agent_model):
     from transformers import AutoTokenizer
 
     from common.grammar_spec import to_llguidance
-    from router.chat_format import ChatFormat
-    from router.constraints import after_thinking
+    from router.api.chat_format import ChatFormat
+    from router.api.constraints import after_thinking
     from worker_mlx.grammar import Grammars
 
     tokenizer = AutoTokenizer.from_pretrained(agent_model)
