@@ -1,25 +1,18 @@
 """A thought under a thinking budget must be able to end when the model ends it.
 
 Claude Code asks for thinking on every request (`thinking: {"type": "adaptive"}`), so
-every request of it gets router.constraints.after_thinking's grammar, whose budget is
-half of its max_tokens (16,000 tokens of its 32,000). With that grammar, once the thought
-has any text, the worker's matcher refuses the `</think>` token: llguidance's lexer is
-greedy, so the `<` of the end marker extends the THOUGHT lexeme, which then dies on the
-`>`. A real model's thought then runs to the budget (seen here with the scripted agent
-model: a 12,771-token thought of forced random tokens, 87 s on this CPU, where the model
-wrote its end marker at the second token). At the thought's start (an empty thought) the
-end marker is allowed, which is what tests/scripted_agent_model.py relies on.
-
-Marked xfail(strict): it fails the suite the day the grammar is fixed, so this mark goes
-and the scripted model may write a thought again.
+every request of it gets router.api.constraints.after_thinking's grammar, whose budget is
+half of its max_tokens (16,000 tokens of its 32,000). When that grammar named the end
+marker by its text, llguidance's matcher refused the marker's token once the thought had
+any text (at the thought's start it allowed it), so a real model's thought ran to the
+budget (seen with the scripted agent model: a 12,771-token thought, 87 s on this CPU,
+where the model wrote its end marker at the second token). The grammar now names the
+marker's token (`<[id]>`) beside its text.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
-
-FIXED_BY = "router.constraints._thought: the end marker is refused after any thought text"
 
 
 def allows(matcher, tokenizer, token: int) -> bool:
@@ -52,8 +45,20 @@ def test_the_end_marker_may_open_the_thought(agent_model):
     assert allows(matcher, tokenizer, end)
 
 
-@pytest.mark.xfail(strict=True, reason=FIXED_BY)
 def test_the_end_marker_may_follow_a_thought(agent_model):
     matcher, tokenizer, end = budget_matcher(agent_model)
     assert matcher.consume_tokens(tokenizer.encode("hello there"))
+    assert allows(matcher, tokenizer, end)
+
+
+def test_the_budget_still_ends_the_thought(agent_model):
+    matcher, tokenizer, end = budget_matcher(agent_model)
+    words = tokenizer.encode("word " * 150)
+    taken = 0
+    for token in words:
+        if not allows(matcher, tokenizer, token):
+            break
+        assert matcher.consume_tokens([token])
+        taken += 1
+    assert taken == 100  # the budget given to after_thinking
     assert allows(matcher, tokenizer, end)

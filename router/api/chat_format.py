@@ -40,6 +40,12 @@ def mlx_lm_module(name: str) -> types.ModuleType:
     return importlib.import_module(f"{_ALIAS}.{name}")
 
 
+def _added_token_id(tokenizer, text: str | None) -> int | None:
+    """The id of `text` when the tokenizer holds it as one added (special) token."""
+    added = getattr(tokenizer, "get_added_vocab", dict)()
+    return added.get(text) if text else None
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     think_start: str | None = None
@@ -50,6 +56,10 @@ class ChatFormat:
     tool_call_end: str | None = None
     tool_parser: Callable | None = None
     generic_tools: bool = False  # the router writes the tools into the chat, not the template
+    # the end marker's token id when the tokenizer has it as one added token: a grammar
+    # must name that token (`<[id]>`), as llguidance's lexer does not let the marker's text
+    # end a thought once the thought has text (tests/test_thought_end.py)
+    think_end_id: int | None = None
 
     @classmethod
     def of(cls, tokenizer) -> ChatFormat:
@@ -63,6 +73,7 @@ class ChatFormat:
         return cls(
             think_start, think_end, kwarg, PARSER if generic else kind,
             module.tool_call_start, module.tool_call_end, module.parse_tool_call, generic,
+            _added_token_id(tokenizer, think_end),
         )  # fmt: skip
 
     def template_kwargs(self, given: dict | None) -> dict:

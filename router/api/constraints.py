@@ -53,7 +53,7 @@ def tool_grammar(
         if name not in by_name:
             raise RequestError(f"tool_choice names {name!r}, which is not among the tools")
     rules = forced_call_rules(fmt.tool_parser_type, [by_name[n] for n in names])
-    head = f"thought {json.dumps(fmt.think_end + chr(10) * 2)} " if thinking else ""
+    head = f"thought {_thought_end(fmt)} {json.dumps(chr(10) * 2)} " if thinking else ""
     thought = _thought(fmt, think_budget) if thinking else ""
     return checked(("lark", f"start: {head}call\n{rules}{thought}"))
 
@@ -68,14 +68,13 @@ def after_thinking(
     is followed by an answer, or by max_tokens, never by the end of the turn)."""
     kind, source = grammar or ("", "")
     if grammar is None and think_budget:
-        end = json.dumps(fmt.think_end)
         answer = r"ANSWER: /(?s:\s*\S.*)/"
-        lark = f"start: thought {end} ANSWER\n{answer}\n{_thought(fmt, think_budget)}"
+        lark = f"start: thought {_thought_end(fmt)} ANSWER\n{answer}\n{_thought(fmt, think_budget)}"
         return checked(("lark", lark))
     if kind != "json_schema":
         return grammar
     answer = json_rule(json.loads(source))
-    closed = json.dumps(fmt.think_end + "\n\n")
+    closed = f"{_thought_end(fmt)} {json.dumps(chr(10) * 2)}"
     lark = f"start: thought {closed} answer\nanswer: {answer}\n{_thought(fmt, think_budget)}"
     return checked(("lark", lark))
 
@@ -86,6 +85,13 @@ def _thought(fmt: ChatFormat, budget: int | None) -> str:
     bound = f"[max_tokens={max(1, budget)}]" if budget else ""
     end = json.dumps(fmt.think_end)
     return f"thought{bound}: THOUGHT\nTHOUGHT: /(?s:.*)/ & ~(/(?s:.*)/ {end} /(?s:.*)/)\n"
+
+
+def _thought_end(fmt: ChatFormat) -> str:
+    """The lark expression of the thought's end marker: its text, or its token where the
+    tokenizer has one (which the model writes, and which alone may follow thought text)."""
+    text = json.dumps(fmt.think_end)
+    return f"({text} | <[{fmt.think_end_id}]>)" if fmt.think_end_id is not None else text
 
 
 def check_tools(fmt: ChatFormat, tools: list | None) -> list[dict] | None:
