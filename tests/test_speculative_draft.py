@@ -101,7 +101,7 @@ def test_draft_model_steps_match_mlx_lm(tiny_model, one_layer_draft, whole):
     for step in range(14):
         if step == 4:  # a turn on r0's output so far: a prefix hit on generated tokens
             n = len(h.slots["r0"])
-            h.runner.flush()
+            h.runner.ledger.flush()
             tail = random_prompt(rng, 5, h.vocab)
             prompts["hit"] = h.tokens["r0"] + tail
             want["hit"] = reference(h.path, prompts["hit"], 40)

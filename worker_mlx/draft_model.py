@@ -89,7 +89,7 @@ class DraftModel:
             guesses, self.ahead = self.ahead[2], None
         else:
             self._take_back()
-            _, buffer = self._buffer(batch.rids)
+            buffer = self.runner.ledger.rows(list(batch.rids))
             guesses = self._step(buffer, batch.rids, tokens)
         for rid, loc in zip(batch.rids, batch.out_cache_loc):
             self.runner.ledger.add(rid, [loc])
@@ -109,8 +109,8 @@ class DraftModel:
         K + 1 columns) goes to the draft pool."""
         runner = self.runner
         self._take_back()
-        _, buffer = self._buffer(batch.rids)
-        runner.flush()  # the step's columns are then the only unflushed ones
+        # flushed: the step's columns are then the only unflushed ones
+        buffer = runner.ledger.rows(list(batch.rids), flushed=True)
         k = max(len(locs) for locs in batch.draft_cache_loc)
         step = self._by_row(buffer.rids, batch.rids, tokens)
         drafted = []
@@ -123,7 +123,7 @@ class DraftModel:
             rid: [loc] + locs + [0] * (k - len(locs))
             for rid, loc, locs in zip(batch.rids, batch.out_cache_loc, batch.draft_cache_loc)
         }
-        buffer.flush(slots.__getitem__)
+        runner.ledger.write_pending(slots.__getitem__)
         mx.async_eval(buffer.arrays(), runner.pool.arrays())
         for rid, loc in zip(batch.rids, batch.out_cache_loc):
             runner.ledger.add(rid, [loc])
@@ -137,10 +137,6 @@ class DraftModel:
         buffer.reject([k - kept[rid] if rid in kept else 0 for rid in buffer.rids])
         for rid, locs, a in zip(batch.rids, batch.draft_cache_loc, accepted):
             self.runner.ledger.add(rid, locs[:a])
-
-    def _buffer(self, rids: list[str]):
-        states: list[ReqState] = [self.runner.reqs[rid] for rid in rids]
-        return states, self.runner.buffer_for(rids, states)
 
     @staticmethod
     def _by_row(buffer_rids: list[str | None], rids: list[str], tokens: list[int]) -> mx.array:

@@ -1,9 +1,10 @@
 """ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
 
 It owns the request states (`ReqState`, request_state.py: each request's sampling state
-and last token), the KV ledger (kv_ledger.py: each request's slots), the decode buffer
-and the lookahead; the pool holds the rest. Where a request's KV is at any moment is
-`kv_location`. Descriptors are checked against the pool bounds, not trusted.
+and last token) and the KV ledger (kv_ledger.py: where each request's KV is, the decode
+buffer and its rows, the deferred flush and the lookahead's bets). Where a request's KV
+is at any moment is `kv_location`. Descriptors are checked against the pool bounds, not
+trusted.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
-from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.descriptor_checks import check_extend, check_slots
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
-from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.prefill import ExtendPlan, passes
 from worker_mlx.prompt_logprobs import prompt_logprobs
@@ -65,11 +64,10 @@ class ModelRunner:
         self.prefill_step = prefill_step
         self.keys = KeySource(seed)
         self.reqs: dict[str, ReqState] = {}
-        self.ledger = KVLedger()  # each decoding request's slots
+        self.ledger = KVLedger(pool, states)  # where each decoding request's KV is
         self.body, self.head = split_lm_head(model)
         self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
-        self.buffer: DecodeBuffer | None = None
-        self.lookahead = Lookahead()
+        self.lookahead = self.ledger.lookahead
         self.grammars = grammars
         self.verifies_drafts = verifies_drafts(batched, pool.layout)
         self.pipeline_stage = pipeline_stage
@@ -78,7 +76,12 @@ class ModelRunner:
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
-        return self.ledger.where(rid, self.buffer)
+        return self.ledger.where(rid)
+
+    @property
+    def buffer(self):
+        """The decode buffer (the ledger's)."""
+        return self.ledger.buffer
 
     # ------------------------------------------------------------ extend
 
@@ -96,14 +99,13 @@ class ModelRunner:
             self._check_extend(r)
         if self.batched and all(len(r.input_ids) == 1 and r.last_chunk for r in batch.reqs):
             return self._extend_one_token(batch.reqs)
-        self.lookahead.invalidate()
-        self.flush()
+        pool = self.ledger.readable_pool()
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         steps = [p for reqs in groups for p in passes(reqs, self.prefill_step, self.pad_prefill)]
         last_logits, states, order = [], [], []
         position = {id(r): i for i, r in enumerate(batch.reqs)}
         for n, (pieces, owners) in enumerate(steps):
-            hidden = self._pass(pieces, self.body)
+            hidden = self._pass(pool, pieces, self.body)
             sampled = [i for i, p in enumerate(pieces) if p.last_chunk]
             if sampled:
                 rows = mx.array(sampled, dtype=mx.int32)
@@ -113,14 +115,21 @@ class ModelRunner:
                 order += [position[id(owners[i])] for i in sampled]
             if n + 1 < len(steps) or self.pipeline_stage:
                 # the next pass reads this KV
-                mx.eval(self._arrays(), last_logits, *([hidden] if self.pipeline_stage else []))
+                staged = [hidden] if self.pipeline_stage else []
+                mx.eval(self.ledger.arrays(), last_logits, *staged)
         if not states:
-            mx.eval(self._arrays())
+            mx.eval(self.ledger.arrays())
             return StepOutput([], [])
         # answer in descriptor order, whichever round each request finished in
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
-        return self._start_decoding(logits, [states[i] for i in perm], batch.reqs)
+        self._open([r for r in batch.reqs if r.last_chunk])
+        return self._start_decoding(logits, [states[i] for i in perm])
+
+    def _open(self, reqs: list[ExtendReq]) -> None:
+        """From now on `reqs` decode, their KV at their prefix and new slots."""
+        for r in reqs:
+            self.ledger.open(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.state_slot)
 
     def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
@@ -129,41 +138,25 @@ class ModelRunner:
         the request that just sent the same prompt still holds it, so it needs no gather
         (0.5-1 ms of the 6 ms a 2,048-token repeat spends in the worker)."""
         states = [self._new_state(r) for r in reqs]
-        prefixes = [r.prefix_slot_ids for r in reqs]
-        buffer = self.lookahead.take_buffer(prefixes)
-        if buffer is not None:
-            buffer.rewind(reqs[0].rid, len(prefixes[0]))
-        else:
-            self.flush()
-            rids = [r.rid for r in reqs]
-            buffer = DecodeBuffer(
-                self.pool, rids, prefixes, free_columns=2,  # this step, the next
-                states=self.states, state_slots=[r.state_slot for r in reqs],
-                state_from=[r.prefix_state for r in reqs],
-            )  # fmt: skip
-        self.buffer = buffer
+        buffer = self.ledger.one_token_rows(reqs)
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
-        slots = {r.rid: r.prefix_slot_ids + r.out_cache_loc for r in reqs}
-        buffer.flush(slots.__getitem__)  # in the pool now: another prompt may share this token
+        self._open(reqs)
+        self.ledger.write_pending()  # in the pool now: another prompt may share this token
         self._snapshot(reqs)
-        return self._start_decoding(logits, states, reqs)
+        return self._start_decoding(logits, states)
 
-    def _start_decoding(
-        self, logits: mx.array, states: list[ReqState], reqs: list[ExtendReq]
-    ) -> StepOutput:
-        """Sample the extended requests' first tokens; from now on they decode, their KV
-        at their `reqs`' prefix and new slots."""
-        out = sample_and_record(logits, states, self._arrays(), self.grammars)
-        req = {r.rid: r for r in reqs}
+    def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
+        """Sample the extended requests' first tokens (their KV opened in the ledger)."""
+        out = sample_and_record(logits, states, self.ledger.arrays(), self.grammars)
         for s in states:
             self.reqs[s.rid] = s
-            self.ledger.open(s.rid, req[s.rid].prefix_slot_ids + req[s.rid].out_cache_loc)
         return out
 
-    def _pass(self, reqs: list[ExtendReq], forward) -> mx.array:
-        """One prefill pass, `forward(tokens, caches)`, over right-padded rows; the recurrent
-        states it leaves go to the rows' working slots and the snapshots asked for."""
-        plan = ExtendPlan.for_reqs(self.pool, reqs, self.states)
+    def _pass(self, pool, reqs: list[ExtendReq], forward) -> mx.array:
+        """One prefill pass, `forward(tokens, caches)`, over right-padded rows of `pool`
+        (the ledger's `readable_pool`); the recurrent states it leaves go to the rows'
+        working slots and the snapshots asked for."""
+        plan = ExtendPlan.for_reqs(pool, reqs, self.states)
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
         out = forward(tokens, plan.layer_caches())
         plan.store_states()
@@ -176,9 +169,6 @@ class ModelRunner:
         pairs = [(r.state_slot, slot) for r in reqs for _, slot in r.snapshots]
         if pairs:
             self.states.copy(pairs)
-
-    def _arrays(self) -> list[mx.array]:
-        return self.pool.arrays() + (self.states.all() if self.states is not None else [])
 
     def _check_extend(self, r: ExtendReq) -> None:
         if r.rid in self.reqs:
@@ -240,9 +230,8 @@ class ModelRunner:
             proposed = self.drafter.propose(batch, [s.last_token for s in states])
             drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
             batch = dataclasses.replace(batch, drafts=drafts)
-        buffer = self.buffer_for(list(batch.rids), states)
-        self.flush()  # the step's columns are then the only unflushed ones
-        out = verify_step(buffer, self.decode_step, batch, states, self.grammars)
+        buffer = self.ledger.rows(list(batch.rids), flushed=True)
+        out = verify_step(self.ledger, self.decode_step, batch, states, self.grammars)
         mx.async_eval(buffer.arrays(), self.pool.arrays())
         kept = zip(batch.rids, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
         for rid, loc, locs, a in kept:
@@ -253,37 +242,26 @@ class ModelRunner:
         return out
 
     def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
-        buffer = self.buffer_for(rids, states)
+        buffer = self.ledger.rows(rids)
         logits = self._buffer_step(buffer.rows(rids))
         return sample_and_record(logits, states, buffer.arrays(), self.grammars)
-
-    def buffer_for(self, rids: list[str], states: list[ReqState]) -> DecodeBuffer:
-        """The decode buffer with exactly `rids` live: this one, or with rows admitted
-        (their KV flushed first), or rebuilt from the pool."""
-        buffer = self.buffer
-        if buffer is None or not buffer.serves(rids):
-            self.flush()
-            slots = [self.ledger.slots(rid) for rid in rids]
-            homes = [s.state_slot for s in states]
-            if buffer is None or not buffer.admit(rids, slots, homes):
-                buffer = self.buffer = DecodeBuffer(
-                    self.pool, rids, slots, states=self.states, state_slots=homes
-                )
-        return buffer
 
     def _decode_solo(self, states: list[ReqState], locs: list[int]) -> StepOutput:
         """The fallback: each request's step is an extend of its last token on the pool."""
         parts = []
+        pool = self.ledger.readable_pool()
         for s, loc in zip(states, locs):
+            home = self.ledger.state_slot(s.rid)
             step = ExtendReq(
                 s.rid, [s.last_token], self.ledger.slots(s.rid), [loc], s.sampling,
-                state_slot=s.state_slot, prefix_state=s.state_slot,
+                state_slot=home, prefix_state=home,
             )  # fmt: skip
-            parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
+            forward = lambda t, c: self.model(t, cache=c)  # noqa: E731
+            parts.append(self._pass(pool, [step], forward)[:, -1, :])
             if self.pipeline_stage:
-                mx.eval(parts[-1], self._arrays())
+                mx.eval(parts[-1], self.ledger.arrays())
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return sample_and_record(logits, states, self._arrays(), self.grammars)
+        return sample_and_record(logits, states, self.ledger.arrays(), self.grammars)
 
     def _buffer_step(self, rows: list[int]) -> mx.array:
         """Logits of one step of the decode buffer for its `rows` (the live ones, in the
@@ -319,48 +297,13 @@ class ModelRunner:
             return
         if self.drafter is not None:
             self.drafter.release(release, keep_buffer)
-        self.lookahead.invalidate()
-        self.flush(skip={r.rid for r in release if not r.flush})
-        self._final_snapshots(release)
-        buffer = self.buffer
-        if buffer is not None:
-            finished = {r.rid for r in release if r.flush}
-            # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
-            alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
-            if keep_buffer and alone and self.states is None and not buffer.hole_columns:
-                self.lookahead.keep(buffer, self.ledger.slots(buffer.rids[0]))
-            buffer.drop({r.rid for r in release})
+        self.ledger.release(release, keep_buffer)
         for r in release:
             self.reqs.pop(r.rid, None)
-            self.ledger.drop(r.rid)
-
-    def _final_snapshots(self, release: list[ReleaseReq]) -> None:
-        """Finished requests' states (flushed just now) into the snapshots asked for."""
-        n = self.states.num_slots if self.states is not None else 0
-        snaps = [
-            (self.reqs[r.rid].state_slot, r.snapshot)
-            for r in release
-            if r.flush and 1 <= r.snapshot <= n and r.rid in self.reqs
-        ]
-        if snaps:
-            self.states.copy(snaps)
-            mx.eval(self.states.all())
 
     def recover(self) -> None:
         """After a step ran out of memory: free its temporaries, write what only the
         decode buffer holds into the pool (an extend flushed it first, so this is
         nothing then; a failed decode's rows are released next anyway) and drop the
         buffer, which the next decode rebuilds from the pool."""
-        self.lookahead.invalidate()
-        mx.clear_cache()
-        try:
-            self.flush()
-        finally:
-            self.buffer = None
-            mx.clear_cache()
-
-    def flush(self, skip: set[str] = frozenset()) -> None:
-        """Write every decode token that is only in the decode buffer into the pool."""
-        if self.buffer is not None:
-            self.buffer.flush(self.ledger.slots, skip)
-        mx.eval(self._arrays())
+        self.ledger.reset()

@@ -20,13 +20,12 @@ from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sa
 
 @dataclass
 class ReqState:
-    rid: str  # (its KV slots are the runner's KVLedger's)
+    rid: str  # (where its KV is, slots and recurrent state slot: the runner's KVLedger)
     sampling: SamplingParams
     last_token: int
     key: mx.array | None
     penalty: Penalty | None = None
     grammar: object | None = None  # its llguidance matcher, if the request is constrained
-    state_slot: int = 0  # its recurrent layers' working state (models with such layers)
 
     @classmethod
     def for_extend(cls, r: ExtendReq, keys: KeySource, grammars: Grammars | None) -> ReqState:
@@ -35,7 +34,7 @@ class ReqState:
         if not r.sampling.greedy:
             key = keys.request_key(r.sampling.seed, len(r.output_ids))
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        state = cls(r.rid, r.sampling, -1, key, penalty, state_slot=r.state_slot)
+        state = cls(r.rid, r.sampling, -1, key, penalty)
         if r.sampling.grammar_kind:
             if grammars is None:
                 raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")

@@ -24,9 +24,9 @@ from worker_mlx.sampler import NEG_INF, filter_logits
 MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
 
 if TYPE_CHECKING:
-    from worker_mlx.decode_buffer import DecodeBuffer
     from worker_mlx.decode_step import DecodeStep
     from worker_mlx.grammar import Grammars
+    from worker_mlx.kv_ledger import KVLedger
 
 
 def verify(
@@ -87,17 +87,17 @@ def _rejection_sample(
 
 
 def verify_step(
-    buffer: DecodeBuffer, step: DecodeStep, batch: DecodeBatch, states: list[ReqState],
+    ledger: KVLedger, step: DecodeStep, batch: DecodeBatch, states: list[ReqState],
     grammars: Grammars | None,
 ) -> StepOutput:  # fmt: skip
-    """One step over every row's last token and its drafts: S columns of `buffer` (the
-    caller's, with the batch's rows live and nothing else unflushed), compiled like a
+    """One step over every row's last token and its drafts: S columns of the ledger's
+    buffer (with the batch's rows live and nothing else unflushed), compiled like a
     decode step. Rows with drafts keep what `verify` accepts; rows without are sampled
     from their first position as in a plain step (penalties, grammars and logprobs
     included). All S columns go to the pool at once, the rejected ones into slots the
     scheduler frees, and become holes of the buffer. The caller records the slots kept
     (`accepted`) and evaluates the arrays."""
-    rids = list(batch.rids)
+    rids, buffer = list(batch.rids), ledger.buffer
     S = 1 + max(len(d) for d in batch.drafts)
     row_of = {rid: i for i, rid in enumerate(rids)}
     tokens, slots = [], {}
@@ -111,7 +111,7 @@ def verify_step(
         slots[rid] = [batch.out_cache_loc[i]] + batch.draft_cache_loc[i] + pad
     logits = buffer.step(step, mx.array(tokens))[mx.array(buffer.rows(rids))]
     out = _accept(logits, batch.drafts, states, grammars)
-    buffer.flush(slots.__getitem__)
+    ledger.write_pending(slots.__getitem__)
     kept = dict(zip(rids, out.accepted))
     buffer.reject([S - 1 - kept[rid] if rid in kept else 0 for rid in buffer.rids])
     return out
