@@ -63,7 +63,8 @@ class DraftModel:
 
     def _take_back(self) -> None:
         if self.ahead is not None:
-            self.runner.buffer.unstep()
+            buffer = self.runner.buffer
+            buffer.take_back(buffer.idx - 1)
             self.ahead = None
 
     def extend(self, batch: ExtendBatch) -> None:

@@ -121,10 +121,8 @@ class KVLedger:
         finished request's kept buffer when it holds the one prefix (Lookahead), else
         one gathered from the pool with room for this step and the next."""
         prefixes = [r.prefix_slot_ids for r in reqs]
-        buffer = self.lookahead.take_buffer(prefixes)
-        if buffer is not None:
-            buffer.rewind(reqs[0].rid, len(prefixes[0]))
-        else:
+        buffer = self.lookahead.take_buffer([r.rid for r in reqs], prefixes)
+        if buffer is None:
             self.flush()
             buffer = DecodeBuffer(
                 self.pool, [r.rid for r in reqs], prefixes, free_columns=2,
@@ -174,7 +172,7 @@ class KVLedger:
             finished = {r.rid for r in release if r.flush}
             # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
             alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
-            if keep_buffer and alone and self.states is None and not buffer.hole_columns:
+            if keep_buffer and alone and self.states is None and not buffer.holes.columns:
                 self.lookahead.keep(buffer, self.slots(buffer.rids[0]))
             buffer.drop({r.rid for r in release})
         for r in release:

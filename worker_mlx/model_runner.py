@@ -283,9 +283,13 @@ class ModelRunner:
         rows = buffer.rows(rids) if rids is not None and buffer is not None else None
         if rows is None:
             return
-        tokens = mx.argmax(self._buffer_step(rows), axis=-1)
-        mx.async_eval(tokens, buffer.arrays())
-        self.lookahead.computed_step(buffer, rids, tokens)
+
+        def compute() -> mx.array:
+            tokens = mx.argmax(self._buffer_step(rows), axis=-1)
+            mx.async_eval(tokens, buffer.arrays())
+            return tokens
+
+        self.lookahead.step_ahead(buffer, rids, compute)
 
     # ------------------------------------------------------------ release and flush
 
