@@ -87,11 +87,18 @@ class Harness:
         self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True,
         kv_cache_dtype: str = "auto", **modes,
     ):  # fmt: skip
-        """`modes`: the runner's other constructor arguments (pipeline_stage, drafter,
-        grammars, prefill_step, ...), chosen once as the loader chooses them."""
+        """`modes`: the runner's other constructor arguments (pipeline_stage, grammars,
+        prefill_step, ...), chosen once as the loader chooses them. `proposer`: the
+        Verifier's (speculation.py), which wraps a runner that verifies drafts as the
+        loader's does (default: the scheduler's drafts, in the descriptor); `worker` is
+        then the Verifier, else the runner."""
         from worker_mlx.kv_pool import MlxKVPool
         from worker_mlx.model_probe import probe_kv_layout
         from worker_mlx.model_runner import ModelRunner
+        from worker_mlx.proposer import SchedulerDrafts
+        from worker_mlx.speculation import Verifier
+
+        proposer = modes.pop("proposer", None) or SchedulerDrafts()
 
         model, _ = load_model(path)
         self.path = path
@@ -103,6 +110,9 @@ class Harness:
             model, self.pool, self.vocab, seed=seed, compile_decode=compile_decode,
             **self.runner_modes(model), **modes,
         )  # fmt: skip
+        self.worker = self.runner
+        if self.runner.verifies_drafts:
+            self.worker = Verifier(self.runner, proposer)
         self.alloc = SlotAllocator(num_slots)
         self.slots: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -141,7 +151,7 @@ class Harness:
 
     def extend(self, reqs: list[ExtendReq], release: list[ReleaseReq] = ()) -> None:
         self.step += 1
-        res = self.runner.extend(ExtendBatch(self.step, reqs, list(release)))
+        res = self.worker.extend(ExtendBatch(self.step, reqs, list(release)))
         assert res.rids == [r.rid for r in reqs if r.last_chunk]
         assert len(res.next_token_ids) == len(res.rids)
         self._gone(release)
@@ -160,7 +170,7 @@ class Harness:
         rids = [r for r in self.running if r not in gone] if rids is None else rids
         locs = self.alloc.alloc(len(rids))
         self.step += 1
-        res = self.runner.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
+        res = self.worker.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
         assert res.rids == rids
         self._gone(release)
         self._record_top(res)
@@ -171,7 +181,7 @@ class Harness:
             self.out[rid].append(tok)
 
     def release(self, release: list[ReleaseReq]) -> None:
-        self.runner.release(release)
+        self.worker.release(release)
         self._gone(release)
 
     def _gone(self, release: list[ReleaseReq]) -> None:

@@ -61,7 +61,7 @@ def harness_with_draft(target: str, draft: str, seed: int = 0) -> tuple[Harness,
     model, _ = load_model(draft)
     pool = MlxKVPool(probe_kv_layout(model), N_SLOTS)
     drafter = DraftModel(ModelRunner(model, pool, vocab_size(target), compile_decode=True))
-    h = Harness(target, seed=seed, drafter=drafter)
+    h = Harness(target, seed=seed, proposer=drafter)
     return h, DraftView(h, model, pool)
 
 
@@ -75,8 +75,8 @@ def draft_decode(h: Harness, k: dict[str, int]):
     batch = DecodeBatch(
         h.step, rids, locs, drafts=[[] for _ in rids], draft_cache_loc=dl, lookahead=True
     )
-    res = h.runner.decode(batch)
-    h.runner.run_ahead()  # as the worker does after each reply
+    res = h.worker.decode(batch)
+    h.worker.run_ahead()  # as the worker does after each reply
     assert res.rids == rids and res.drafts is not None
     accepted = res.accepted or [0] * len(rids)
     for i, rid in enumerate(rids):
@@ -276,7 +276,7 @@ def test_bad_draft_descriptors_get_a_clear_error_and_the_requests_go_on(
     for drafts, locs, message in cases:
         batch = DecodeBatch(99, ["a"], h.alloc.alloc(1), drafts=drafts, draft_cache_loc=locs)
         with pytest.raises(ValueError, match=message):
-            h.runner.decode(batch)
+            h.worker.decode(batch)
     for _ in range(4):
         draft_decode(h, {"a": 3})
     assert h.out["a"] == want[: len(h.out["a"])]

@@ -66,7 +66,7 @@ class Lookahead:
     def has_step(self) -> bool:
         return isinstance(self.bet, _Step)
 
-    def take_step(self, batch: DecodeBatch) -> list[int] | None:
+    def take_step(self, batch: DecodeBatch) -> mx.array | None:
         """The tokens computed ahead if `batch` is exactly that step; otherwise invalidate."""
         bet = self.bet
         if (
@@ -76,7 +76,7 @@ class Lookahead:
             and batch.rids == bet.rids
         ):
             self.bet = self.next_step = None
-            return bet.tokens.tolist()
+            return bet.tokens
         self.invalidate()
         return None
 

@@ -9,8 +9,6 @@ trusted.
 
 from __future__ import annotations
 
-import dataclasses
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -26,7 +24,8 @@ from worker_mlx.prompt_logprobs import prompt_logprobs
 from worker_mlx.request_state import ReqState, StepOutput, sample_and_record
 from worker_mlx.sampler import KeySource
 from worker_mlx.state_pool import StatePool
-from worker_mlx.verify import check_drafts, verify_step
+
+NO_DRAFTS = "this model cannot verify drafts (sliding windows or recurrent layers)"
 
 
 def verifies_drafts(batched: bool, layout) -> bool:
@@ -45,15 +44,15 @@ class ModelRunner:
 
     Every mode is chosen here, once: nothing assigns a runner's attribute from outside.
     `pipeline_stage` (--pp-size): evaluate every forward pass whole and alone, so its sends
-    meet the next stage's receives (docs/architecture.md); `drafter`: the DraftModel of
-    --speculative-algorithm draft (the loader's); `memory`: the loader's MemoryReport,
-    what --max-memory allows and holds."""
+    meet the next stage's receives (docs/architecture.md); `memory`: the loader's
+    MemoryReport, what --max-memory allows and holds. Speculation wraps a runner
+    (speculation.Verifier); the runner knows nothing of it."""
 
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
-        pad_prefill: bool = True, pipeline_stage: bool = False, drafter=None, memory=None,
+        pad_prefill: bool = True, pipeline_stage: bool = False, memory=None,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -71,12 +70,18 @@ class ModelRunner:
         self.grammars = grammars
         self.verifies_drafts = verifies_drafts(batched, pool.layout)
         self.pipeline_stage = pipeline_stage
-        self.drafter = drafter
         self.memory = memory
+        # the decode step of this batching mode
+        self._step = self._decode_batched if batched else self._decode_solo
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
         return self.ledger.where(rid)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The engine's runner (worker.serve drives a runner or a Verifier around one)."""
+        return self
 
     @property
     def buffer(self):
@@ -87,8 +92,6 @@ class ModelRunner:
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
         out = self._extend(batch)
-        if self.drafter is not None:
-            self.drafter.extend(batch)
         if any(r.sampling.prompt_logprobs and r.last_chunk for r in batch.reqs):
             out.prompt_logprobs = prompt_logprobs(self.body, self.head, batch.reqs, out.rids)
         return out
@@ -182,38 +185,20 @@ class ModelRunner:
     # ------------------------------------------------------------ decode
 
     def decode(self, batch: DecodeBatch) -> StepOutput:
-        if len(batch.out_cache_loc) != len(batch.rids):
-            raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
-        check_slots("decode", batch.out_cache_loc, self.pool.num_slots)
-        worker_drafts = self.drafter is not None
-        drafting = any(batch.draft_cache_loc if worker_drafts else batch.drafts)
-        if drafting:
-            check_drafts(
-                batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts, worker_drafts
-            )
+        """One step of every row of `batch`: the step computed ahead if the lookahead bet
+        on it, else this runner's step (batched or solo, chosen at construction)."""
+        self.check_decode(batch)
         ahead = self.lookahead.take_step(batch)
         self.release(batch.release, keep_buffer=False)  # the decode below changes it
-        unknown = [rid for rid in batch.rids if rid not in self.reqs]
-        if unknown:
-            raise ValueError(f"decode for unknown requests {unknown[:4]}")
-        states = [self.reqs[rid] for rid in batch.rids]
-        if drafting:
-            return self._verify(batch, states)
-        guesses = None
-        if worker_drafts:  # the draft computes the step's tokens too, and guesses
-            guesses = self.drafter.follow(batch, [s.last_token for s in states])
+        states = self.decoding(batch.rids)
         if ahead is not None:
-            out = StepOutput(list(batch.rids), ahead)
-            for s, tok in zip(states, ahead):
+            out = StepOutput(list(batch.rids), ahead.tolist())
+            for s, tok in zip(states, out.next_token_ids):
                 s.last_token = tok
-        elif self.batched:
-            out = self._decode_batched(batch.rids, states)
         else:
-            out = self._decode_solo(states, batch.out_cache_loc)
-        for rid, loc in zip(batch.rids, batch.out_cache_loc):
-            self.ledger.add(rid, [loc])
-        if guesses is not None:
-            out.drafts = [[g] for g in guesses.tolist()]
+            out = self._step(states, batch.out_cache_loc)
+        for rid, slot in zip(batch.rids, batch.out_cache_loc):
+            self.ledger.add(rid, [slot])
         can_look = self.batched and all(
             s.sampling.greedy and s.penalty is None and not s.sampling.logprobs and not s.grammar
             for s in states
@@ -221,39 +206,46 @@ class ModelRunner:
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
 
-    def _verify(self, batch: DecodeBatch, states: list[ReqState]) -> StepOutput:
-        """A step with drafts: the scheduler's, or with a drafter its proposals for the
-        rows with draft slots (a row without gets a guess, reported, not verified). Each
-        row keeps the slots of its input token and of the drafts it accepts."""
-        proposed = None
-        if self.drafter is not None:
-            proposed = self.drafter.propose(batch, [s.last_token for s in states])
-            drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
-            batch = dataclasses.replace(batch, drafts=drafts)
-        buffer = self.ledger.rows(list(batch.rids), flushed=True)
-        out = verify_step(self.ledger, self.decode_step, batch, states, self.grammars)
-        mx.async_eval(buffer.arrays(), self.pool.arrays())
-        kept = zip(batch.rids, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
-        for rid, loc, locs, a in kept:
-            self.ledger.add(rid, [loc] + locs[:a])
-        if self.drafter is not None:
-            self.drafter.commit(batch, out.accepted)
-            out.drafts = proposed
-        return out
+    def check_decode(self, batch: DecodeBatch) -> None:
+        if len(batch.out_cache_loc) != len(batch.rids):
+            raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
+        check_slots("decode", batch.out_cache_loc, self.pool.num_slots)
+        if any(batch.drafts) and not self.verifies_drafts:
+            raise ValueError(
+                "this model cannot verify drafts (sliding windows or recurrent layers)"
+            )
 
-    def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
+    def decoding(self, rids: list[str]) -> list[ReqState]:
+        """The decoding states of `rids`, which must all be decoding."""
+        unknown = [rid for rid in rids if rid not in self.reqs]
+        if unknown:
+            raise ValueError(f"decode for unknown requests {unknown[:4]}")
+        return [self.reqs[rid] for rid in rids]
+
+    def step_columns(self, rids: list[str], tokens: list[list[int]]) -> mx.array:
+        """Logits (len(rids), S, V) of one step of S columns of the decode buffer, row i
+        taking `tokens[i]` (a speculative step: the caller writes its columns to the pool
+        at its own slots, `KVLedger.write_pending`, the only unflushed ones)."""
+        buffer = self.ledger.rows(rids, flushed=True)
+        blank = [0] * len(tokens[0])
+        of = dict(zip(rids, tokens))
+        grid = [of.get(rid, blank) if rid is not None else blank for rid in buffer.rids]
+        return buffer.step(self.decode_step, mx.array(grid))[mx.array(buffer.rows(rids))]
+
+    def _decode_batched(self, states: list[ReqState], slots: list[int]) -> StepOutput:
+        rids = [s.rid for s in states]
         buffer = self.ledger.rows(rids)
         logits = self._buffer_step(buffer.rows(rids))
         return sample_and_record(logits, states, buffer.arrays(), self.grammars)
 
-    def _decode_solo(self, states: list[ReqState], locs: list[int]) -> StepOutput:
+    def _decode_solo(self, states: list[ReqState], slots: list[int]) -> StepOutput:
         """The fallback: each request's step is an extend of its last token on the pool."""
         parts = []
         pool = self.ledger.readable_pool()
-        for s, loc in zip(states, locs):
+        for s, slot in zip(states, slots):
             home = self.ledger.state_slot(s.rid)
             step = ExtendReq(
-                s.rid, [s.last_token], self.ledger.slots(s.rid), [loc], s.sampling,
+                s.rid, [s.last_token], self.ledger.slots(s.rid), [slot], s.sampling,
                 state_slot=home, prefix_state=home,
             )  # fmt: skip
             forward = lambda t, c: self.model(t, cache=c)  # noqa: E731
@@ -276,8 +268,6 @@ class ModelRunner:
     def run_ahead(self) -> None:
         """Start the decode step the last descriptor said comes next (called after the reply
         went out, so it computes while the scheduler works)."""
-        if self.drafter is not None:
-            self.drafter.run_ahead(self.reqs)
         rids, buffer = self.lookahead.next_step, self.buffer
         self.lookahead.expect_step(None)
         rows = buffer.rows(rids) if rids is not None and buffer is not None else None
@@ -299,8 +289,6 @@ class ModelRunner:
         same prompt again (see Lookahead)."""
         if not release:
             return
-        if self.drafter is not None:
-            self.drafter.release(release, keep_buffer)
         self.ledger.release(release, keep_buffer)
         for r in release:
             self.reqs.pop(r.rid, None)

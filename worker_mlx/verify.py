@@ -24,9 +24,7 @@ from worker_mlx.sampler import NEG_INF, filter_logits
 MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
 
 if TYPE_CHECKING:
-    from worker_mlx.decode_step import DecodeStep
     from worker_mlx.grammar import Grammars
-    from worker_mlx.kv_ledger import KVLedger
 
 
 def verify(
@@ -86,41 +84,11 @@ def _rejection_sample(
     return a, residual[a]
 
 
-def verify_step(
-    ledger: KVLedger, step: DecodeStep, batch: DecodeBatch, states: list[ReqState],
-    grammars: Grammars | None,
-) -> StepOutput:  # fmt: skip
-    """One step over every row's last token and its drafts: S columns of the ledger's
-    buffer (with the batch's rows live and nothing else unflushed), compiled like a
-    decode step. Rows with drafts keep what `verify` accepts; rows without are sampled
-    from their first position as in a plain step (penalties, grammars and logprobs
-    included). All S columns go to the pool at once, the rejected ones into slots the
-    scheduler frees, and become holes of the buffer. The caller records the slots kept
-    (`accepted`) and evaluates the arrays."""
-    rids, buffer = list(batch.rids), ledger.buffer
-    S = 1 + max(len(d) for d in batch.drafts)
-    row_of = {rid: i for i, rid in enumerate(rids)}
-    tokens, slots = [], {}
-    for rid in buffer.rids:
-        i = row_of.get(rid)
-        if i is None:
-            tokens.append([0] * S)
-            continue
-        d, pad = batch.drafts[i], [0] * (S - 1 - len(batch.drafts[i]))
-        tokens.append([states[i].last_token] + d + pad)
-        slots[rid] = [batch.out_cache_loc[i]] + batch.draft_cache_loc[i] + pad
-    logits = buffer.step(step, mx.array(tokens))[mx.array(buffer.rows(rids))]
-    out = _accept(logits, batch.drafts, states, grammars)
-    ledger.write_pending(slots.__getitem__)
-    kept = dict(zip(rids, out.accepted))
-    buffer.reject([S - 1 - kept[rid] if rid in kept else 0 for rid in buffer.rids])
-    return out
-
-
-def _accept(
+def accept(
     logits: mx.array, drafts: list[list[int]], states: list[ReqState], grammars: Grammars | None
 ) -> StepOutput:
-    """The step's output: drafted rows by `verify`, the others sampled as in a plain step."""
+    """The output of a verify step's logits (B, S, V): drafted rows by `verify`, the
+    others sampled from their first position as in a plain step."""
     drafted = [i for i, d in enumerate(drafts) if d]
     plain = [i for i, d in enumerate(drafts) if not d]
     n = len(states)
@@ -146,14 +114,10 @@ def _accept(
     return out
 
 
-def check_drafts(
-    batch: DecodeBatch, vocab_size: int, num_slots: int, supported: bool, worker_drafts: bool
-) -> None:
+def check_drafts(batch: DecodeBatch, vocab_size: int, num_slots: int, worker_drafts: bool) -> None:
     """A descriptor's drafts must fit its rows, the vocabulary and the pool; with a draft
     model (`worker_drafts`) a row asks for drafts with slots alone, and the worker makes
     as many tokens."""
-    if not supported:
-        raise ValueError("this model cannot verify drafts (sliding windows or recurrent layers)")
     n = len(batch.rids)
     if len(batch.drafts) != n or len(batch.draft_cache_loc) != n:
         raise ValueError(f"{n} requests but {len(batch.drafts)} draft lists")
