@@ -131,6 +131,25 @@ class RecurrentRows:
         return [a for layer in self.state for a in layer]
 
 
+class NoRecurrentRows:
+    """The recurrent store of a model without recurrent layers: nothing to keep, so the
+    buffer composes this once instead of asking at every use."""
+
+    state: tuple = ()
+
+    def replace(self, state: list[list[mx.array]]) -> None:
+        pass
+
+    def fill(self, rows: list[int], homes: list[int]) -> None:
+        pass
+
+    def write(self, rows: list[int]) -> None:
+        pass
+
+    def arrays(self) -> list[mx.array]:
+        return []
+
+
 def unflushed(buffer: mx.array, row_idx: mx.array, cols: slice) -> mx.array:
     """`buffer`'s columns `cols` of rows `row_idx` as (rows x columns, H, width)."""
     # slice, then pick rows: `x[row_idx, :, a:b]` gathers whole rows first

@@ -20,7 +20,13 @@ from collections.abc import Callable, Collection
 
 import mlx.core as mx
 
-from worker_mlx.column_stores import KVColumns, QuantizedParts, RecurrentRows, gather_stores
+from worker_mlx.column_stores import (
+    KVColumns,
+    NoRecurrentRows,
+    QuantizedParts,
+    RecurrentRows,
+    gather_stores,
+)
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.holes import Holes
 from worker_mlx.kv_pool import MlxKVPool
@@ -50,7 +56,7 @@ class DecodeBuffer:
         self.idx = T  # next column to write
         self.flushed = T  # columns before this are already in the pool
         self.kv, self.quantized = gather_stores(pool, self._head_index(slots, T, cap))
-        self.recurrent = None
+        self.recurrent: RecurrentRows | NoRecurrentRows = NoRecurrentRows()
         if states is not None:
             self.recurrent = RecurrentRows(states, state_slots, state_from)
         self.holes = Holes(len(rids), cap)
@@ -115,9 +121,8 @@ class DecodeBuffer:
             return False
         if joining:
             self._fill(free[: len(joining)], [s for _, s in joining])
-            if self.recurrent is not None:
-                homes = dict(zip(rids, state_slots))
-                self.recurrent.fill(free[: len(joining)], [homes[rid] for rid, _ in joining])
+            homes = dict(zip(rids, state_slots))
+            self.recurrent.fill(free[: len(joining)], [homes.get(rid, 0) for rid, _ in joining])
         for row, (rid, s) in zip(free, joining):
             self.rids[row] = rid
             self.left_pad[row] = self.idx - len(s)
@@ -141,13 +146,12 @@ class DecodeBuffer:
         recurrent, quantized = self.recurrent, self.quantized
         logits, keys, values, state, parts = step(
             tokens, self.idx, self._left_pad_arr, self.kv.keys, self.kv.values,
-            recurrent.state if recurrent is not None else [],
+            list(recurrent.state),
             quantized.parts if quantized is not None else [],
             self.holes.marks, self.holes.gaps,
         )  # fmt: skip
         self.kv.replace(keys, values)
-        if recurrent is not None:
-            recurrent.replace(state)
+        recurrent.replace(state)
         if quantized is not None:
             quantized.replace(parts)
         self.idx += S
@@ -182,12 +186,11 @@ class DecodeBuffer:
             cols = slice(self.flushed, self.idx)
             for store in self._stores():
                 store.write(self.pool, flat_slots, row_idx, cols)
-            if self.recurrent is not None:
-                self.recurrent.write(rows)
+            self.recurrent.write(rows)
         self.flushed = self.idx
 
     def arrays(self) -> list[mx.array]:
-        stores = [*self._stores(), *([self.recurrent] if self.recurrent is not None else [])]
+        stores = [*self._stores(), self.recurrent]
         return [a for store in stores for a in store.arrays()]
 
     # ------------------------------------------------------------ columns

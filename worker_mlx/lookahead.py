@@ -32,7 +32,7 @@ class _Step:
     rids: list[str]
     tokens: mx.array
     column: int  # the column the step wrote
-    state: list[list[mx.array]] | None  # the recurrent states before it
+    state: list[list[mx.array]]  # the recurrent states before it
 
 
 @dataclass
@@ -54,8 +54,7 @@ class Lookahead:
         """Compute the step of `rids` ahead on `buffer`: `compute()` writes its column and
         returns its tokens."""
         column = buffer.idx
-        state = buffer.recurrent.state if buffer.recurrent is not None else None
-        self.bet = _Step(buffer, rids, compute(), column, state)
+        self.bet = _Step(buffer, rids, compute(), column, buffer.recurrent.state)
 
     def keep(self, buffer: DecodeBuffer, slots: list[int]) -> None:
         """Keep the finished single row's buffer for the next descriptor."""
