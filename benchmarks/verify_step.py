@@ -78,10 +78,10 @@ def _verify(runner, slots, outs: dict, want: dict, k: int, step: int, worker_dra
     batch = DecodeBatch(
         step, rids, slots.take(len(rids)),
         drafts=[[] for _ in rids] if worker_drafts else drafts,
-        draft_cache_loc=[slots.take(k) for _ in rids],
+        draft_slots=[slots.take(k) for _ in rids], worker_drafts=worker_drafts,
     )  # fmt: skip
     res = runner.decode(batch)
-    proposed = res.drafts if worker_drafts else drafts
+    proposed = res.proposed if worker_drafts else drafts
     for i, rid in enumerate(rids):
         outs[rid] += proposed[i][: res.accepted[i]] + [res.next_token_ids[i]]
     return sum(res.accepted)

@@ -205,8 +205,9 @@ class Scheduler:
         lookahead = lookahead and not self.spec.active(self.running)
         rids = [r.rid for r in self.running]
         return DecodeBatch(
-            self.step, rids, locs, self._take_release(), lookahead, drafts, draft_locs
-        )
+            self.step, rids, locs, self._take_release(), lookahead, drafts, draft_locs,
+            worker_drafts=self.spec.worker_drafts,
+        )  # fmt: skip
 
     def _expire_memory_waits(self) -> None:
         """Waiting requests that found no memory beside the running ones for longer than

@@ -158,7 +158,7 @@ class NgramSpeculation:
         return []
 
     def observe(
-        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+        self, req: Req, drafted: int, kept: int, first: int, guess: int | None = None
     ) -> None:
         state = self.rows.get(req.rid)
         if state is not None:
@@ -198,14 +198,14 @@ class DraftModelSpeculation:
         return out
 
     def observe(
-        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+        self, req: Req, drafted: int, kept: int, first: int, guess: int | None = None
     ) -> None:
-        """As NgramSpeculation's; `guess` is what the reply says the draft proposed."""
+        """As NgramSpeculation's; `guess` is the draft's guess the reply carries."""
         row = self.rows.get(req.rid)
         if row is None:
             return
         if not drafted:
-            row.shadow = guess[0] if guess else None
+            row.shadow = guess
         row.observe(drafted, kept, first)
 
     def active(self, reqs: list[Req]) -> bool:
@@ -239,10 +239,15 @@ class Speculator:
     def enabled(self) -> bool:
         return self.proposer is not None
 
+    @property
+    def worker_drafts(self) -> bool:
+        """Whether the step in flight asks the worker's draft model for its drafts."""
+        return bool(self.locs) and self.proposer.worker_drafts
+
     def draft(self, running: list[Req]) -> tuple[list[list[int]], list[list[int]]]:
         """This step's drafts and their slots ([] and [] for none), when the budget
         holds them after the running requests' own slots and they pay for the verify
-        step (`StepCost`)."""
+        step (`StepCost`); asking the worker for them, the drafts are empty."""
         self.drafts, self.locs = [], []
         if self.proposer is None:
             return [], []
@@ -300,7 +305,7 @@ class Speculator:
         reply lacks them: then every draft slot is freed)."""
         if not self.proposer.worker_drafts:
             return self.drafts[row]
-        return result.drafts[row] if result.drafts is not None else []
+        return result.proposed[row] if result.proposed is not None else []
 
     def observe(self, req: Req, result: StepResult, row: int, first: int) -> None:
         """Tell the proposer what a row's step did; `first` is the first token it made."""
@@ -308,7 +313,7 @@ class Speculator:
             return
         drafted = len(self.drafts[row]) if self.drafts else 0
         kept = result.accepted[row] if drafted and result.accepted else 0
-        guess = result.drafts[row] if result.drafts is not None else None
+        guess = result.guesses[row] if result.guesses is not None else None
         self.proposer.observe(req, drafted, kept, first, guess)
 
     def end_step(self, result: StepResult | None = None) -> None:

@@ -25,7 +25,7 @@ def verify_decode(h: Harness, drafts: dict[str, list[int]]):
     dl = [h.alloc.alloc(len(drafts.get(rid, []))) for rid in rids]
     h.step += 1
     batch = DecodeBatch(
-        h.step, rids, locs, drafts=[drafts.get(rid, []) for rid in rids], draft_cache_loc=dl
+        h.step, rids, locs, drafts=[drafts.get(rid, []) for rid in rids], draft_slots=dl
     )
     res = h.worker.decode(batch)
     assert res.rids == rids

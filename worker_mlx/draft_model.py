@@ -12,7 +12,7 @@ row's next token comes with that step, the row's shadow proposal (scheduler/spec
 when the descriptor says the same rows come next, the next such step is computed after
 the reply by the draft runner's own Lookahead, and taken back if something else comes.
 
-Proposing (a step whose `draft_cache_loc` gives a row K fresh slots and no tokens): K + 1
+Proposing (a step whose `draft_slots` gives a row K fresh slots and no tokens): K + 1
 steps of the draft's decode buffer, batched over the rows: the row's last token, then
 each greedy draft in turn; the last step only writes the K-th draft's KV, so a run the
 target accepts whole leaves nothing to catch up. Each step's tokens are the argmax of the
@@ -51,9 +51,6 @@ class DraftModel:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-
-    def drafting(self, batch: DecodeBatch) -> bool:
-        return any(batch.draft_cache_loc)
 
     def run_ahead(self, last_token: Callable[[str], int]) -> None:
         """The next follow step, computed while the scheduler works, if the descriptor
@@ -101,13 +98,13 @@ class DraftModel:
         return guesses
 
     def propose(self, batch: DecodeBatch, tokens: list[int]) -> Proposal:
-        """Each row's drafts, as many as its `draft_cache_loc` has slots, after its input
-        token `tokens[i]` (a row without slots: the first, its guess, reported but not
-        verified); their KV (all K + 1 columns) goes to the draft pool."""
+        """Each row's drafts, as many as its `draft_slots` has slots, after its input
+        token `tokens[i]` (a row without slots: none, and the first is its guess); their
+        KV (all K + 1 columns) goes to the draft pool."""
         runner = self.runner
         # flushed: the step's columns are then the only unflushed ones
         buffer = runner.ledger.rows(list(batch.rids), flushed=True)
-        k = max(len(slots) for slots in batch.draft_cache_loc)
+        k = max(len(slots) for slots in batch.draft_slots)
         step = self._by_row(buffer.rids, batch.rids, tokens)
         drafted = []
         for _ in range(k + 1):
@@ -117,25 +114,23 @@ class DraftModel:
         table = mx.concatenate(drafted[:k], axis=1)[mx.array(rows)].tolist()
         slots = {
             rid: [slot] + draft_slots + [0] * (k - len(draft_slots))
-            for rid, slot, draft_slots in zip(
-                batch.rids, batch.out_cache_loc, batch.draft_cache_loc
-            )
+            for rid, slot, draft_slots in zip(batch.rids, batch.out_cache_loc, batch.draft_slots)
         }
         runner.ledger.write_pending(slots.__getitem__)
         mx.async_eval(buffer.arrays(), runner.pool.arrays())
         for rid, slot in zip(batch.rids, batch.out_cache_loc):
             runner.ledger.add(rid, [slot])
-        proposed = [row[: len(s) or 1] for row, s in zip(table, batch.draft_cache_loc)]
-        drafts = [d if s else [] for d, s in zip(proposed, batch.draft_cache_loc)]
-        return Proposal(drafts, reported=proposed)
+        drafts = [row[: len(s)] for row, s in zip(table, batch.draft_slots)]
+        guesses = [None if s else row[0] for row, s in zip(table, batch.draft_slots)]
+        return Proposal(drafts, guesses)
 
     def commit(self, batch: DecodeBatch, accepted: list[int]) -> None:
         """After the target's verify: the draft keeps the columns of the accepted drafts."""
         buffer = self.runner.buffer  # propose's: its last k + 1 columns are this step's
-        k = max(len(slots) for slots in batch.draft_cache_loc)
+        k = max(len(slots) for slots in batch.draft_slots)
         kept = dict(zip(batch.rids, accepted))
         buffer.reject([k - kept[rid] if rid in kept else 0 for rid in buffer.rids])
-        for rid, slots, a in zip(batch.rids, batch.draft_cache_loc, accepted):
+        for rid, slots, a in zip(batch.rids, batch.draft_slots, accepted):
             self.runner.ledger.add(rid, slots[:a])
 
     @staticmethod

@@ -71,7 +71,7 @@ class Lookahead:
         if (
             isinstance(bet, _Step)
             and not batch.release
-            and not any(batch.draft_cache_loc)
+            and not any(batch.draft_slots)
             and batch.rids == bet.rids
         ):
             self.bet = self.next_step = None

@@ -26,17 +26,15 @@ from common.messages import DecodeBatch, ExtendBatch, ReleaseReq
 @dataclass
 class Proposal:
     """A drafting step's drafts to verify, per row ([]: the row is sampled as in a plain
-    step), and what to report to the scheduler as the proposals (None: nothing)."""
+    step), and per row that did not draft the proposer's guess of its next token (None:
+    no guesses)."""
 
     drafts: list[list[int]]
-    reported: list[list[int]] | None = None
+    guesses: list[int | None] | None = None
 
 
 class Proposer(Protocol):
     in_worker: bool  # whether it makes the draft tokens (else the descriptor carries them)
-
-    def drafting(self, batch: DecodeBatch) -> bool:
-        """Whether `batch` is a step with drafts to verify."""
 
     def propose(self, batch: DecodeBatch, tokens: list[int]) -> Proposal:
         """The drafts of a drafting step, after each row's input token `tokens[i]`."""
@@ -62,9 +60,6 @@ class SchedulerDrafts:
     """The n-gram proposer's drafts, made by the scheduler and carried by the descriptor."""
 
     in_worker = False
-
-    def drafting(self, batch: DecodeBatch) -> bool:
-        return any(batch.drafts)
 
     def propose(self, batch: DecodeBatch, tokens: list[int]) -> Proposal:
         return Proposal(batch.drafts)

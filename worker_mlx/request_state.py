@@ -50,7 +50,10 @@ class StepOutput:
     top_logprobs: list[list] | None = None
     prompt_logprobs: list | None = None
     accepted: list[int] | None = None  # drafts kept per row, after a verify step
-    drafts: list[list[int]] | None = None  # the draft model's proposals, when it made them
+    # as StepResult's: the worker's draft model's drafts, and its guesses for rows that
+    # did not draft
+    proposed: list[list[int]] | None = None
+    guesses: list[int | None] | None = None
 
 
 def sample_and_record(

@@ -41,7 +41,7 @@ class Verifier:
     def decode(self, batch: DecodeBatch) -> StepOutput:
         runner, proposer = self.runner, self.proposer
         runner.check_decode(batch)
-        drafting = proposer.drafting(batch)
+        drafting = any(batch.draft_slots)
         if drafting:
             check_drafts(batch, runner.vocab_size, runner.pool.num_slots, proposer.in_worker)
         proposer.release(batch.release, keep_buffer=False)
@@ -50,7 +50,7 @@ class Verifier:
         guesses = proposer.follow(batch, [s.last_token for s in runner.decoding(batch.rids)])
         out = runner.decode(batch)
         if guesses is not None:
-            out.drafts = [[g] for g in guesses.tolist()]
+            out.guesses = guesses.tolist()
         return out
 
     def _verify(self, batch: DecodeBatch) -> StepOutput:
@@ -66,7 +66,7 @@ class Verifier:
         S = 1 + max(len(d) for d in drafts)
         rows, slots = [], {}
         for rid, s, d, slot, draft_slots in zip(
-            batch.rids, states, drafts, batch.out_cache_loc, batch.draft_cache_loc
+            batch.rids, states, drafts, batch.out_cache_loc, batch.draft_slots
         ):
             pad = [0] * (S - 1 - len(d))
             rows.append([s.last_token] + d + pad)
@@ -79,11 +79,12 @@ class Verifier:
         buffer.reject([S - 1 - kept[rid] if rid in kept else 0 for rid in buffer.rids])
         mx.async_eval(buffer.arrays(), runner.pool.arrays())
         for rid, slot, draft_slots, a in zip(
-            batch.rids, batch.out_cache_loc, batch.draft_cache_loc, out.accepted
+            batch.rids, batch.out_cache_loc, batch.draft_slots, out.accepted
         ):
             ledger.add(rid, [slot] + draft_slots[:a])
         self.proposer.commit(batch, out.accepted)
-        out.drafts = proposal.reported
+        out.proposed = drafts if batch.worker_drafts else None
+        out.guesses = proposal.guesses
         return out
 
     def release(self, release: list[ReleaseReq], keep_buffer: bool = True) -> None:

@@ -114,18 +114,23 @@ def accept(
     return out
 
 
-def check_drafts(batch: DecodeBatch, vocab_size: int, num_slots: int, worker_drafts: bool) -> None:
-    """A descriptor's drafts must fit its rows, the vocabulary and the pool; with a draft
-    model (`worker_drafts`) a row asks for drafts with slots alone, and the worker makes
-    as many tokens."""
+def check_drafts(batch: DecodeBatch, vocab_size: int, num_slots: int, has_drafter: bool) -> None:
+    """A descriptor's drafts must fit its rows, the vocabulary and the pool; a worker
+    with a draft model (`has_drafter`) is asked for drafts (`worker_drafts`) with slots
+    alone, and makes as many tokens; one without is sent the tokens."""
+    worker_drafts = batch.worker_drafts
+    if has_drafter and not worker_drafts:
+        raise ValueError("this worker drafts with its draft model: send slots, no tokens")
+    if worker_drafts and not has_drafter:
+        raise ValueError("this worker has no draft model: send the draft tokens")
     n = len(batch.rids)
-    if len(batch.drafts) != n or len(batch.draft_cache_loc) != n:
+    if len(batch.drafts) != n or len(batch.draft_slots) != n:
         raise ValueError(f"{n} requests but {len(batch.drafts)} draft lists")
-    for d, locs in zip(batch.drafts, batch.draft_cache_loc):
+    for d, locs in zip(batch.drafts, batch.draft_slots):
         if len(locs) > MAX_DRAFTS:
             raise ValueError(f"{len(locs)} draft slots in a row: at most {MAX_DRAFTS}")
         if worker_drafts and d:
-            raise ValueError("this worker drafts with its draft model: send slots, no tokens")
+            raise ValueError("worker_drafts: send slots, no tokens")
         if not worker_drafts and len(d) != len(locs):
             raise ValueError(f"{len(d)} draft tokens but {len(locs)} slots")
         if d and (min(d) < 0 or max(d) >= vocab_size):

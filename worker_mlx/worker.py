@@ -150,7 +150,7 @@ def execute(engine, msg, group: bool = False, guard=None) -> StepResult | Worker
     return StepResult(
         msg.step, out.rids, out.next_token_ids, logprobs=out.logprobs,
         top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
-        accepted=out.accepted, drafts=out.drafts, step_seconds=took,
+        accepted=out.accepted, proposed=out.proposed, guesses=out.guesses, step_seconds=took,
     )  # fmt: skip
 
 
