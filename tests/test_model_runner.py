@@ -835,7 +835,7 @@ def test_bad_descriptors_raise_and_leave_runner_usable(tiny_model):
         good = ExtendReq("good", [4, 5], [], [203, 204], greedy())
         with pytest.raises(ValueError, match=message):
             h.runner.extend(ExtendBatch(99, [good, ExtendReq(**fields)]))
-        assert "bad" not in h.runner.reqs and "good" not in h.runner.reqs
+        assert "bad" not in h.runner.decodings and "good" not in h.runner.decodings
 
     bad_extend("slot id outside the pool", out_cache_loc=[200, 0, 202])
     bad_extend("slot id outside the pool", out_cache_loc=[200, 201, 257])
@@ -870,10 +870,10 @@ def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
     """Probe, extend and decode-step caches are what mlx-lm layers call: one protocol."""
     import mlx.core as mx
 
+    from worker_mlx.extend_pass import ExtendPlan
     from worker_mlx.kv_pool import MlxKVPool
     from worker_mlx.layer_caches import LayerCache, ProbeCache, StepCache, StepColumns
     from worker_mlx.model_probe import probe_kv_layout
-    from worker_mlx.prefill import ExtendPlan
 
     pool = MlxKVPool(probe_kv_layout(load_model(tiny_model)[0]), 16)
     extend = ExtendPlan(pool, [[1, 2]], [3], [[3, 4, 5]]).layer_caches()
@@ -903,7 +903,7 @@ def test_a_failed_one_token_extend_leaves_no_request_behind(tiny_model, monkeypa
         patched.setattr(DecodeBuffer, "step", _failing_step)  # the step cannot run
         with pytest.raises(RuntimeError, match="step failed"):
             h.runner.extend(ExtendBatch(99, [req]))
-    assert "A2" not in h.runner.reqs
+    assert "A2" not in h.runner.decodings
     h.extend([req])
     for _ in range(DECODE_STEPS - 1):
         h.decode()

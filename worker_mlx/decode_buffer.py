@@ -6,11 +6,11 @@ decode KV that is only here: `flush` scatters them into the pool at the request'
 slots. This object keeps the rows and columns; the data is in composed stores, one per
 kind of cache (column_stores.py): the float KV columns every step attends, a quantized
 pool's stored parts, the recurrent layers' per-row states, and speculation's holes
-(holes.py). The KVLedger (kv_ledger.py) builds buffers, admits and releases their rows
+(holes.py). The KVLedger (kv_ledger.py) builds buffers, seats and releases their rows
 and decides when to flush; `KVLedger.where` says where a request's KV is.
 
 When requests leave, their rows go dead (computed, never read) and requests that join
-later take them over (`admit`), so a change in the running set costs the joining rows,
+later take them over (`seat`), so a change in the running set costs the joining rows,
 not a rebuild of every row from the pool.
 """
 
@@ -35,7 +35,7 @@ from worker_mlx.state_pool import StatePool
 
 class DecodeBuffer:
     GROW_STEP = 256
-    # Columns of left padding shared by every live row past which `admit` shifts them out.
+    # Columns of left padding shared by every live row past which `seat` shifts them out.
     COMPACT_COLUMNS = 128
 
     def __init__(
@@ -104,7 +104,7 @@ class DecodeBuffer:
         """Rows of requests that left go dead (flush them first if their KV is wanted)."""
         self.rids = [None if rid in rids else rid for rid in self.rids]
 
-    def admit(self, rids: list[str], slots: list[list[int]], state_slots: list[int] = ()) -> bool:
+    def seat(self, rids: list[str], slots: list[list[int]], state_slots: list[int] = ()) -> bool:
         """Make the live rows exactly `rids` (whose KV must all be in the pool): requests
         that left go dead, joining ones take dead rows. False when a rebuild is due: the
         joining ones do not fit (no dead row, or more tokens than columns before the next

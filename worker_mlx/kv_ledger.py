@@ -6,7 +6,7 @@ places, all of them the ledger's to say and to change:
 - **pool slots**: its slot list, every slot of its KV oldest first, written here and
   nowhere else (`open`, then `add` for each step's slots it keeps, dropped at release);
 - **the decode buffer**: its row, whose newest `pending` columns may hold decode KV that
-  is not in the pool yet (the deferred flush). The ledger builds the buffer, admits and
+  is not in the pool yet (the deferred flush). The ledger builds the buffer, seats and
   releases its rows (`rows`, `one_token_rows`, `release`) and flushes it;
 - **its recurrent state slot** (models with recurrent layers): its working state.
 
@@ -100,7 +100,7 @@ class KVLedger:
         return self._buffer.pending() if self._buffer is not None else 0
 
     def rows(self, rids: list[str], flushed: bool = False) -> DecodeBuffer:
-        """The decode buffer with exactly `rids` live: this one, or with rows admitted
+        """The decode buffer with exactly `rids` live: this one, or with rows seated
         (everything flushed first), or rebuilt from the pool. `flushed`: nothing left
         unflushed either (a speculative step's columns are then the only ones)."""
         buffer = self._buffer
@@ -108,7 +108,7 @@ class KVLedger:
             self.flush()
             slots = [self._slots[rid] for rid in rids]
             homes = [self._state_slot[rid] for rid in rids]
-            if buffer is None or not buffer.admit(rids, slots, homes):
+            if buffer is None or not buffer.seat(rids, slots, homes):
                 buffer = self._buffer = DecodeBuffer(
                     self.pool, rids, slots, states=self.states, state_slots=homes
                 )

@@ -1,7 +1,7 @@
 """ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
 
-It owns the request states (`ReqState`, request_state.py: each request's sampling state
-and last token) and the KV ledger (kv_ledger.py: where each request's KV is, the decode
+It owns each decoding request's `Decoding` (decoding.py: its sampling state and last
+token) and the KV ledger (kv_ledger.py: where each request's KV is, the decode
 buffer and its rows, the deferred flush and the lookahead's bets). Where a request's KV
 is at any moment is `kv_location`. Descriptors are checked against the pool bounds, not
 trusted.
@@ -14,14 +14,14 @@ import mlx.nn as nn
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
 from worker_mlx.decode_step import DecodeStep
+from worker_mlx.decoding import Decoding, StepOutput, sample_and_record
 from worker_mlx.descriptor_checks import check_extend, check_slots
+from worker_mlx.extend_pass import ExtendPlan, passes
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.model_probe import split_lm_head
-from worker_mlx.prefill import ExtendPlan, passes
 from worker_mlx.prompt_logprobs import prompt_logprobs
-from worker_mlx.request_state import ReqState, StepOutput, sample_and_record
 from worker_mlx.sampler import KeySource
 from worker_mlx.state_pool import StatePool
 
@@ -62,7 +62,7 @@ class ModelRunner:
         self.batched = batched
         self.prefill_step = prefill_step
         self.keys = KeySource(seed)
-        self.reqs: dict[str, ReqState] = {}
+        self.decodings: dict[str, Decoding] = {}
         self.ledger = KVLedger(pool, states)  # where each decoding request's KV is
         self.body, self.head = split_lm_head(model)
         self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
@@ -105,7 +105,7 @@ class ModelRunner:
         pool = self.ledger.readable_pool()
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         steps = [p for reqs in groups for p in passes(reqs, self.prefill_step, self.pad_prefill)]
-        last_logits, states, order = [], [], []
+        last_logits, decodings, order = [], [], []
         position = {id(r): i for i, r in enumerate(batch.reqs)}
         for n, (pieces, owners) in enumerate(steps):
             hidden = self._pass(pool, pieces, self.body)
@@ -114,20 +114,20 @@ class ModelRunner:
                 rows = mx.array(sampled, dtype=mx.int32)
                 cols = mx.array([len(pieces[i].input_ids) - 1 for i in sampled], mx.int32)
                 last_logits.append(self.head(hidden[rows, cols]))
-                states += [self._new_state(owners[i]) for i in sampled]
+                decodings += [self._new_decoding(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
             if n + 1 < len(steps) or self.pipeline_stage:
                 # the next pass reads this KV
                 staged = [hidden] if self.pipeline_stage else []
                 mx.eval(self.ledger.arrays(), last_logits, *staged)
-        if not states:
+        if not decodings:
             mx.eval(self.ledger.arrays())
             return StepOutput([], [])
         # answer in descriptor order, whichever round each request finished in
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
         self._open([r for r in batch.reqs if r.last_chunk])
-        return self._start_decoding(logits, [states[i] for i in perm])
+        return self._start_decoding(logits, [decodings[i] for i in perm])
 
     def _open(self, reqs: list[ExtendReq]) -> None:
         """From now on `reqs` decode, their KV at their prefix and new slots."""
@@ -140,19 +140,19 @@ class ModelRunner:
         the same requests then keeps using instead of gathering it again. The buffer of
         the request that just sent the same prompt still holds it, so it needs no gather
         (0.5-1 ms of the 6 ms a 2,048-token repeat spends in the worker)."""
-        states = [self._new_state(r) for r in reqs]
+        decodings = [self._new_decoding(r) for r in reqs]
         buffer = self.ledger.one_token_rows(reqs)
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
         self._open(reqs)
         self.ledger.write_pending()  # in the pool now: another prompt may share this token
         self._snapshot(reqs)
-        return self._start_decoding(logits, states)
+        return self._start_decoding(logits, decodings)
 
-    def _start_decoding(self, logits: mx.array, states: list[ReqState]) -> StepOutput:
+    def _start_decoding(self, logits: mx.array, decodings: list[Decoding]) -> StepOutput:
         """Sample the extended requests' first tokens (their KV opened in the ledger)."""
-        out = sample_and_record(logits, states, self.ledger.arrays(), self.grammars)
-        for s in states:
-            self.reqs[s.rid] = s
+        out = sample_and_record(logits, decodings, self.ledger.arrays(), self.grammars)
+        for s in decodings:
+            self.decodings[s.rid] = s
         return out
 
     def _pass(self, pool, reqs: list[ExtendReq], forward) -> mx.array:
@@ -174,13 +174,13 @@ class ModelRunner:
             self.states.copy(pairs)
 
     def _check_extend(self, r: ExtendReq) -> None:
-        if r.rid in self.reqs:
+        if r.rid in self.decodings:
             raise ValueError(f"{r.rid}: extend for a request that is already decoding")
         state_slots = self.states.num_slots if self.states is not None else 0
         check_extend(r, self.pool.num_slots, state_slots, self.vocab_size)
 
-    def _new_state(self, r: ExtendReq) -> ReqState:
-        return ReqState.for_extend(r, self.keys, self.grammars)
+    def _new_decoding(self, r: ExtendReq) -> Decoding:
+        return Decoding.for_extend(r, self.keys, self.grammars)
 
     # ------------------------------------------------------------ decode
 
@@ -190,18 +190,18 @@ class ModelRunner:
         self.check_decode(batch)
         ahead = self.lookahead.take_step(batch)
         self.release(batch.release, keep_buffer=False)  # the decode below changes it
-        states = self.decoding(batch.rids)
+        decodings = self.decoding(batch.rids)
         if ahead is not None:
             out = StepOutput(list(batch.rids), ahead.tolist())
-            for s, tok in zip(states, out.next_token_ids):
+            for s, tok in zip(decodings, out.next_token_ids):
                 s.last_token = tok
         else:
-            out = self._step(states, batch.out_cache_loc)
+            out = self._step(decodings, batch.out_cache_loc)
         for rid, slot in zip(batch.rids, batch.out_cache_loc):
             self.ledger.add(rid, [slot])
         can_look = self.batched and all(
             s.sampling.greedy and s.penalty is None and not s.sampling.logprobs and not s.grammar
-            for s in states
+            for s in decodings
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
@@ -215,12 +215,12 @@ class ModelRunner:
                 "this model cannot verify drafts (sliding windows or recurrent layers)"
             )
 
-    def decoding(self, rids: list[str]) -> list[ReqState]:
-        """The decoding states of `rids`, which must all be decoding."""
-        unknown = [rid for rid in rids if rid not in self.reqs]
+    def decoding(self, rids: list[str]) -> list[Decoding]:
+        """The Decoding of each of `rids`, which must all be decoding."""
+        unknown = [rid for rid in rids if rid not in self.decodings]
         if unknown:
             raise ValueError(f"decode for unknown requests {unknown[:4]}")
-        return [self.reqs[rid] for rid in rids]
+        return [self.decodings[rid] for rid in rids]
 
     def step_columns(self, rids: list[str], tokens: list[list[int]]) -> mx.array:
         """Logits (len(rids), S, V) of one step of S columns of the decode buffer, row i
@@ -232,17 +232,17 @@ class ModelRunner:
         grid = [of.get(rid, blank) if rid is not None else blank for rid in buffer.rids]
         return buffer.step(self.decode_step, mx.array(grid))[mx.array(buffer.rows(rids))]
 
-    def _decode_batched(self, states: list[ReqState], slots: list[int]) -> StepOutput:
-        rids = [s.rid for s in states]
+    def _decode_batched(self, decodings: list[Decoding], slots: list[int]) -> StepOutput:
+        rids = [s.rid for s in decodings]
         buffer = self.ledger.rows(rids)
         logits = self._buffer_step(buffer.rows(rids))
-        return sample_and_record(logits, states, buffer.arrays(), self.grammars)
+        return sample_and_record(logits, decodings, buffer.arrays(), self.grammars)
 
-    def _decode_solo(self, states: list[ReqState], slots: list[int]) -> StepOutput:
+    def _decode_solo(self, decodings: list[Decoding], slots: list[int]) -> StepOutput:
         """The fallback: each request's step is an extend of its last token on the pool."""
         parts = []
         pool = self.ledger.readable_pool()
-        for s, slot in zip(states, slots):
+        for s, slot in zip(decodings, slots):
             home = self.ledger.state_slot(s.rid)
             step = ExtendReq(
                 s.rid, [s.last_token], self.ledger.slots(s.rid), [slot], s.sampling,
@@ -253,14 +253,14 @@ class ModelRunner:
             if self.pipeline_stage:
                 mx.eval(parts[-1], self.ledger.arrays())
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return sample_and_record(logits, states, self.ledger.arrays(), self.grammars)
+        return sample_and_record(logits, decodings, self.ledger.arrays(), self.grammars)
 
     def _buffer_step(self, rows: list[int]) -> mx.array:
         """Logits of one step of the decode buffer for its `rows` (the live ones, in the
         scheduler's order); every row's KV is written to the buffer."""
         buffer = self.buffer
         tokens = mx.array(
-            [[self.reqs[rid].last_token if rid is not None else 0] for rid in buffer.rids]
+            [[self.decodings[rid].last_token if rid is not None else 0] for rid in buffer.rids]
         )
         logits = buffer.step(self.decode_step, tokens)
         return logits if rows == list(range(len(buffer.rids))) else logits[mx.array(rows)]
@@ -291,7 +291,7 @@ class ModelRunner:
             return
         self.ledger.release(release, keep_buffer)
         for r in release:
-            self.reqs.pop(r.rid, None)
+            self.decodings.pop(r.rid, None)
 
     def recover(self) -> None:
         """After a step ran out of memory: free its temporaries, write what only the

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, ExtendBatch, ReleaseReq
+from worker_mlx.decoding import StepOutput
 from worker_mlx.proposer import Proposer
-from worker_mlx.request_state import StepOutput
 from worker_mlx.verify import accept, check_drafts
 
 if TYPE_CHECKING:
@@ -60,19 +60,19 @@ class Verifier:
         drafts it accepts."""
         runner = self.runner
         runner.release(batch.release, keep_buffer=False)
-        states = runner.decoding(batch.rids)
-        proposal = self.proposer.propose(batch, [s.last_token for s in states])
+        decodings = runner.decoding(batch.rids)
+        proposal = self.proposer.propose(batch, [s.last_token for s in decodings])
         drafts = proposal.drafts
         S = 1 + max(len(d) for d in drafts)
         rows, slots = [], {}
         for rid, s, d, slot, draft_slots in zip(
-            batch.rids, states, drafts, batch.out_cache_loc, batch.draft_slots
+            batch.rids, decodings, drafts, batch.out_cache_loc, batch.draft_slots
         ):
             pad = [0] * (S - 1 - len(d))
             rows.append([s.last_token] + d + pad)
             slots[rid] = [slot] + draft_slots + pad
         logits = runner.step_columns(list(batch.rids), rows)
-        out = accept(logits, drafts, states, runner.grammars)
+        out = accept(logits, drafts, decodings, runner.grammars)
         ledger = runner.ledger
         ledger.write_pending(slots.__getitem__)  # all S columns, the rejected ones too
         kept, buffer = dict(zip(batch.rids, out.accepted)), ledger.buffer
@@ -93,8 +93,8 @@ class Verifier:
         self.runner.release(release, keep_buffer)
 
     def run_ahead(self) -> None:
-        reqs = self.runner.reqs
-        self.proposer.run_ahead(lambda rid: reqs[rid].last_token)
+        decodings = self.runner.decodings
+        self.proposer.run_ahead(lambda rid: decodings[rid].last_token)
         self.runner.run_ahead()
 
     def recover(self) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, SamplingParams
-from worker_mlx.request_state import ReqState, StepOutput, sample_and_record, step_keys
+from worker_mlx.decoding import Decoding, StepOutput, sample_and_record, step_keys
 from worker_mlx.sampler import NEG_INF, filter_logits
 
 MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
@@ -85,26 +85,26 @@ def _rejection_sample(
 
 
 def accept(
-    logits: mx.array, drafts: list[list[int]], states: list[ReqState], grammars: Grammars | None
+    logits: mx.array, drafts: list[list[int]], decodings: list[Decoding], grammars: Grammars | None
 ) -> StepOutput:
     """The output of a verify step's logits (B, S, V): drafted rows by `verify`, the
     others sampled from their first position as in a plain step."""
     drafted = [i for i, d in enumerate(drafts) if d]
     plain = [i for i, d in enumerate(drafts) if not d]
-    n = len(states)
-    out = StepOutput([s.rid for s in states], [0] * n, accepted=[0] * n)
+    n = len(decodings)
+    out = StepOutput([s.rid for s in decodings], [0] * n, accepted=[0] * n)
     if plain:
-        rows = [states[i] for i in plain]
+        rows = [decodings[i] for i in plain]
         sampled = sample_and_record(logits[mx.array(plain), 0], rows, [], grammars)
         if sampled.logprobs is not None:
-            out.logprobs, out.top_logprobs = [0.0] * n, [[] for _ in states]
+            out.logprobs, out.top_logprobs = [0.0] * n, [[] for _ in decodings]
         for j, i in enumerate(plain):
             out.next_token_ids[i] = sampled.next_token_ids[j]
             if sampled.logprobs is not None:
                 out.logprobs[i] = sampled.logprobs[j]
                 out.top_logprobs[i] = sampled.top_logprobs[j]
     if drafted:
-        rows = [states[i] for i in drafted]
+        rows = [decodings[i] for i in drafted]
         accepted, nxt = verify(
             logits[mx.array(drafted)], [drafts[i] for i in drafted],
             [s.sampling for s in rows], step_keys(rows),
@@ -126,14 +126,14 @@ def check_drafts(batch: DecodeBatch, vocab_size: int, num_slots: int, has_drafte
     n = len(batch.rids)
     if len(batch.drafts) != n or len(batch.draft_slots) != n:
         raise ValueError(f"{n} requests but {len(batch.drafts)} draft lists")
-    for d, locs in zip(batch.drafts, batch.draft_slots):
-        if len(locs) > MAX_DRAFTS:
-            raise ValueError(f"{len(locs)} draft slots in a row: at most {MAX_DRAFTS}")
+    for d, slots in zip(batch.drafts, batch.draft_slots):
+        if len(slots) > MAX_DRAFTS:
+            raise ValueError(f"{len(slots)} draft slots in a row: at most {MAX_DRAFTS}")
         if worker_drafts and d:
             raise ValueError("worker_drafts: send slots, no tokens")
-        if not worker_drafts and len(d) != len(locs):
-            raise ValueError(f"{len(d)} draft tokens but {len(locs)} slots")
+        if not worker_drafts and len(d) != len(slots):
+            raise ValueError(f"{len(d)} draft tokens but {len(slots)} slots")
         if d and (min(d) < 0 or max(d) >= vocab_size):
             raise ValueError(f"draft token id outside the vocabulary [0, {vocab_size})")
-        if locs and (min(locs) < 1 or max(locs) > num_slots):
+        if slots and (min(slots) < 1 or max(slots) > num_slots):
             raise ValueError(f"draft slot id outside the pool [1, {num_slots}]")
