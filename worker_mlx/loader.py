@@ -74,20 +74,13 @@ def load_runner(
     )  # fmt: skip
     engine = Verifier(runner, proposer) if runner.verifies_drafts else runner
     ready = WorkerReady(
-        num_slots=pool.num_slots,
-        model_type=model_type,
-        num_layers=layout.num_layers,
-        n_kv_heads=layout.n_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=str(layout.dtype).rsplit(".", 1)[-1],
-        context_len=context_len,
-        vocab_size=vocab_size,
-        eos_token_ids=sorted(tokenizer.eos_token_ids),
-        blas=blas,
+        num_slots=pool.num_slots, model_type=model_type, num_layers=layout.num_layers,
+        n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+        dtype=str(layout.dtype).rsplit(".", 1)[-1], context_len=context_len,
+        vocab_size=vocab_size, eos_token_ids=sorted(tokenizer.eos_token_ids), blas=blas,
         num_state_slots=states.num_slots if states is not None else 0,
-        verifies_drafts=runner.verifies_drafts,
-        memory=memory.for_scheduler(held),
-    )
+        verifies_drafts=runner.verifies_drafts, memory=memory.for_scheduler(held),
+    )  # fmt: skip
     return engine, ready
 
 
