@@ -176,3 +176,28 @@ def test_only_the_ledger_changes_a_requests_slot_list():
             if isinstance(target, ast.Attribute) and target.attr == "slots":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, "slot lists changed outside the ledger: " + ", ".join(found)
+
+
+def test_only_the_ledger_builds_the_decode_buffer_and_changes_its_rows():
+    """The buffer is built, seated, dropped from and flushed by the KV ledger alone (its
+    flush rule then holds for every caller); others step it and read it."""
+    owned = {"DecodeBuffer", "seat", "drop", "flush", "reseat"}
+    found = []
+    for path, tree in _sources("worker_mlx"):
+        if path.name in ("kv_ledger.py", "decode_buffer.py"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name not in owned:
+                continue
+            owner = func.value if isinstance(func, ast.Attribute) else None
+            # the ledger's own flush, called through it, is the rule itself
+            if isinstance(owner, ast.Attribute) and owner.attr == "ledger":
+                continue
+            if name == "reseat" and path.name == "lookahead.py":  # the kept buffer's rewind
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert not found, "the decode buffer changed outside the ledger:\n" + "\n".join(found)
