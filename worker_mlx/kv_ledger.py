@@ -29,7 +29,7 @@ from common.messages import ExtendReq, ReleaseReq
 from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.lookahead import Lookahead
-from worker_mlx.state_pool import StatePool
+from worker_mlx.state_pool import NoStates, StatePool
 
 
 @dataclass
@@ -48,7 +48,13 @@ class KVLocation:
 class KVLedger:
     def __init__(self, pool: MlxKVPool, states: StatePool | None = None):
         self.pool = pool
-        self.states = states  # the recurrent layers' states, for models that have them
+        # the recurrent layers' states (NoStates for a model without any); the buffer's
+        # rows keep theirs unless there are none
+        self.states: StatePool | NoStates = states if states is not None else NoStates()
+        self._buffer_states = states
+        # a finished request's buffer can be kept for the same prompt again unless a
+        # recurrent state would have to be rewound to it
+        self._rewindable = states is None
         self._slots: dict[str, list[int]] = {}
         self._state_slot: dict[str, int] = {}
         self._buffer: DecodeBuffer | None = None
@@ -110,7 +116,7 @@ class KVLedger:
             homes = [self._state_slot[rid] for rid in rids]
             if buffer is None or not buffer.seat(rids, slots, homes):
                 buffer = self._buffer = DecodeBuffer(
-                    self.pool, rids, slots, states=self.states, state_slots=homes
+                    self.pool, rids, slots, states=self._buffer_states, state_slots=homes
                 )
         elif flushed:
             self.flush()
@@ -126,7 +132,7 @@ class KVLedger:
             self.flush()
             buffer = DecodeBuffer(
                 self.pool, [r.rid for r in reqs], prefixes, free_columns=2,
-                states=self.states, state_slots=[r.state_slot for r in reqs],
+                states=self._buffer_states, state_slots=[r.state_slot for r in reqs],
                 state_from=[r.prefix_state for r in reqs],
             )  # fmt: skip
         self._buffer = buffer
@@ -157,7 +163,7 @@ class KVLedger:
 
     def arrays(self) -> list[mx.array]:
         """The pool's arrays and the recurrent states'."""
-        return self.pool.arrays() + (self.states.all() if self.states is not None else [])
+        return self.pool.arrays() + self.states.all()
 
     # ------------------------------------------------------------ release
 
@@ -170,9 +176,8 @@ class KVLedger:
         buffer = self._buffer
         if buffer is not None:
             finished = {r.rid for r in release if r.flush}
-            # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
             alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
-            if keep_buffer and alone and self.states is None and not buffer.holes.columns:
+            if keep_buffer and alone and self._rewindable and not buffer.holes.columns:
                 self.lookahead.keep(buffer, self.slots(buffer.rids[0]))
             buffer.drop({r.rid for r in release})
         for r in release:
@@ -181,7 +186,7 @@ class KVLedger:
 
     def _final_snapshots(self, release: list[ReleaseReq]) -> None:
         """Finished requests' states (flushed just now) into the snapshots asked for."""
-        n = self.states.num_slots if self.states is not None else 0
+        n = self.states.num_slots
         snaps = [
             (self._state_slot[r.rid], r.snapshot)
             for r in release

@@ -171,13 +171,12 @@ class ModelRunner:
         whole of their input: `passes` cut pieces where the snapshots are)."""
         pairs = [(r.state_slot, slot) for r in reqs for _, slot in r.snapshots]
         if pairs:
-            self.states.copy(pairs)
+            self.ledger.states.copy(pairs)
 
     def _check_extend(self, r: ExtendReq) -> None:
         if r.rid in self.decodings:
             raise ValueError(f"{r.rid}: extend for a request that is already decoding")
-        state_slots = self.states.num_slots if self.states is not None else 0
-        check_extend(r, self.pool.num_slots, state_slots, self.vocab_size)
+        check_extend(r, self.pool.num_slots, self.ledger.states.num_slots, self.vocab_size)
 
     def _new_decoding(self, r: ExtendReq) -> Decoding:
         return Decoding.for_extend(r, self.keys, self.grammars)
