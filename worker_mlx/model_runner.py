@@ -69,10 +69,10 @@ class ModelRunner:
         self.lookahead = self.ledger.lookahead
         self.grammars = grammars
         self.verifies_drafts = verifies_drafts(batched, pool.layout)
-        self.pipeline_stage = pipeline_stage
         self.memory = memory
-        # the decode step of this batching mode
+        # the decode step of this batching mode, and when a pass is evaluated
         self._step = self._decode_batched if batched else self._decode_solo
+        self._settle = self._settle_stage if pipeline_stage else self._settle_before_read
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
@@ -116,10 +116,7 @@ class ModelRunner:
                 last_logits.append(self.head(hidden[rows, cols]))
                 decodings += [self._new_decoding(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
-            if n + 1 < len(steps) or self.pipeline_stage:
-                # the next pass reads this KV
-                staged = [hidden] if self.pipeline_stage else []
-                mx.eval(self.ledger.arrays(), last_logits, *staged)
+            self._settle(hidden, last_logits, last=n + 1 == len(steps))
         if not decodings:
             mx.eval(self.ledger.arrays())
             return StepOutput([], [])
@@ -165,6 +162,16 @@ class ModelRunner:
         plan.store_states()
         self._snapshot(reqs)
         return out
+
+    def _settle_before_read(self, hidden: mx.array, logits: list, last: bool) -> None:
+        """After a pass: evaluated now only if another pass of the step reads its KV."""
+        if not last:
+            mx.eval(self.ledger.arrays(), logits)
+
+    def _settle_stage(self, hidden: mx.array, logits: list, last: bool) -> None:
+        """A pipeline stage's pass is evaluated whole and alone, `hidden` included, so
+        its sends meet the next stage's receives."""
+        mx.eval(self.ledger.arrays(), logits, hidden)
 
     def _snapshot(self, reqs: list[ExtendReq]) -> None:
         """Copy the working states of `reqs` to the snapshot slots they ask for (after the
@@ -249,8 +256,7 @@ class ModelRunner:
             )  # fmt: skip
             forward = lambda t, c: self.model(t, cache=c)  # noqa: E731
             parts.append(self._pass(pool, [step], forward)[:, -1, :])
-            if self.pipeline_stage:
-                mx.eval(parts[-1], self.ledger.arrays())
+            self._settle(parts[-1], [], last=True)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         return sample_and_record(logits, decodings, self.ledger.arrays(), self.grammars)
 
