@@ -30,7 +30,7 @@ from worker_mlx.backends.blas import OPENBLAS_PATHS, x86_coretype
 
 # What every peer venv is installed with: our mlx, the peers' mlx-lm, CPU torch.
 PEER_PINS = ("mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "torch==2.13.0", "torchvision==0.28.0")
-PEER_ROOT = Path(".cache/peers")
+PEER_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "peers"  # gitignored
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,11 @@ def _normalize(name: str) -> str:
 def serve_command(peer: Peer, venv: Path, model: str, port: int) -> list[str]:
     cli = str(venv / "bin" / peer.cli)
     return [cli, "serve", model, "--host", "127.0.0.1", "--port", str(port), *peer.serve_flags]
+
+
+def peer_server(peer: Peer, model: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command and extra environment that start an installed peer on loopback."""
+    return serve_command(peer, venv_dir(peer), model, port), blas_env()
 
 
 def blas_env() -> dict[str, str]:
