@@ -208,6 +208,27 @@ def blas_env() -> dict[str, str]:
     return env
 
 
+def with_peers(backends: tuple[str, ...], peers: list[str]) -> list[str]:
+    """A suite load's backends with its peer (mlx-lm in the suite's list) replaced by the
+    chosen `--peers`."""
+    ours = [b for b in backends if b not in PEER_BACKENDS]
+    return ours + list(peers) if len(ours) < len(backends) else ours
+
+
+def install_peers(plan: list) -> tuple[list, dict[str, str]]:
+    """Every peer in a benchmarks.serving plan installed (once); a peer that cannot be
+    installed leaves the plan with its reason, which the report repeats."""
+    missing = {}
+    for backend in dict.fromkeys(pr.backend for pr in plan):
+        if backend in PEERS:
+            try:
+                ensure_installed(PEERS[backend])
+            except PeerUnavailable as exc:
+                missing[backend] = str(exc)
+                print(f"{backend}: not measured, it did not install: {exc}", flush=True)
+    return [pr for pr in plan if pr.backend not in missing], missing
+
+
 def describe() -> str:
     """Every peer with its pins and limits (the report's and docs' note)."""
     lines = [f"peer venvs: {', '.join(PEER_PINS)}"]

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.conversations import ChatSender, ResponsesSender
-from benchmarks.peers import PEER_BACKENDS, PEERS, PeerUnavailable, ensure_installed, peer_server
+from benchmarks.peers import PEER_BACKENDS, PEERS, install_peers, peer_server, with_peers
 from benchmarks.records import INPROCESS, RunResult, WorkloadSpec
 from benchmarks.replay import InProcessEngine
 from benchmarks.report import (
@@ -228,34 +228,13 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
         return [
             PlannedRun(b, load.spec, c, load.loop)
             for load in suite
-            for b in _with_peers(load.backends, args.peers)
+            for b in with_peers(load.backends, args.peers)
             for c in load.concurrencies
         ]
     backends = BACKENDS[:3] if args.backend == ["all"] else tuple(args.backend)
     spec = spec_from_args(args)
     concs = args.max_concurrency or [None]
     return [PlannedRun(b, spec, c, args.loop) for b in backends for c in concs]
-
-
-def _with_peers(backends: tuple[str, ...], peers: list[str]) -> list[str]:
-    """A suite load's backends with its peer (mlx-lm in the suite's list) replaced by the
-    chosen `--peers`."""
-    ours = [b for b in backends if b not in PEER_BACKENDS]
-    return ours + list(peers) if len(ours) < len(backends) else ours
-
-
-def install_peers(plan: list[PlannedRun]) -> tuple[list[PlannedRun], dict[str, str]]:
-    """Every peer in the plan installed (once, benchmarks/peers.py); a peer that cannot be
-    installed leaves the plan with its reason, which the report repeats."""
-    missing = {}
-    for backend in dict.fromkeys(pr.backend for pr in plan):
-        if backend in PEERS:
-            try:
-                ensure_installed(PEERS[backend])
-            except PeerUnavailable as exc:
-                missing[backend] = str(exc)
-                print(f"{backend}: not measured, it did not install: {exc}", flush=True)
-    return [pr for pr in plan if pr.backend not in missing], missing
 
 
 def machine_info(model: str, args: argparse.Namespace) -> dict:
