@@ -92,6 +92,18 @@ class InProcessEngine:
         return queue
 
     async def _loop(self) -> None:
+        """Run the engine; if it fails, every waiting request fails with its error (no
+        client waits for ever) and the error propagates."""
+        from common.messages import ReqError
+
+        try:
+            await self._turns()
+        except Exception as exc:
+            for rid, queue in self.streams.items():
+                queue.put_nowait(ReqError(rid, f"in-process engine: {exc!r}", "internal_error"))
+            raise
+
+    async def _turns(self) -> None:
         """Scheduler turns as SchedulerProcess.run takes them, yielding to the clients
         between steps (as a socket poll with timeout 0 would let requests in)."""
         from common.messages import DecodeBatch, ReleaseBatch
