@@ -28,8 +28,11 @@ from pathlib import Path
 
 from worker_mlx.backends.blas import OPENBLAS_PATHS, x86_coretype
 
-# What every peer venv is installed with: our mlx, the peers' mlx-lm, CPU torch.
-PEER_PINS = ("mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "torch==2.13.0", "torchvision==0.28.0")
+# What every peer venv is installed with: our mlx (on Linux its CPU build: the bare wheel
+# has no libmlx.so there), the peers' mlx-lm, CPU torch and the torchvision built for it.
+TORCH = "torch==2.13.0"
+MLX = "mlx==0.32.4" if sys.platform == "darwin" else "mlx[cpu]==0.32.4"
+PEER_PINS = (MLX, "mlx-lm==0.31.3", TORCH, "torchvision==0.28.0")
 PEER_ROOT = Path(__file__).resolve().parents[1] / ".cache" / "peers"  # gitignored
 
 
@@ -104,7 +107,7 @@ def install_commands(peer: Peer, venv: Path) -> list[list[str]]:
     return [
         [sys.executable, "-m", "venv", str(venv)],
         [*pip, "--upgrade", "pip"],
-        [*pip, *pins, "torch==2.13.0"],
+        [*pip, *pins, TORCH],
         [*pip, *pins, peer.requirement, *PEER_PINS],
     ]
 
