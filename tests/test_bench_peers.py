@@ -194,3 +194,24 @@ def test_each_peer_installs_serves_and_is_measured(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["backend"] for r in rows) == sorted(peers.PEERS)
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in rows)
+
+
+def test_targets_against_the_best_peer_and_the_replay():
+    from benchmarks.summary import STANDARD_TARGETS, check_targets
+
+    results = []
+    for repeat, (ours, local, rapid, vllm) in enumerate(
+        [(500, 520, 250, 300), (450, 500, 300, 200)]
+    ):
+        for backend, tok_s in (("radix-mlx", ours), (INPROCESS, local), ("rapid-mlx", rapid),
+                               ("vllm-mlx", vllm)):  # fmt: skip
+            run, m = _run(backend, tok_s, 8.0)
+            run.workload, run.max_concurrency, run.repeat = WorkloadSpec("random"), 8, repeat
+            results.append((run, m))
+    mine = [t for t in STANDARD_TARGETS if t.workload == "random" and t.concurrency == 8]
+    lines = {line.split("] ")[1].split(":")[0]: line for line in check_targets(results, mine)}
+    # the best peer of each repeat: vllm-mlx (500 / 300), then rapid-mlx (450 / 300)
+    best = lines["random c8 output tok/s ÷ best peer"]
+    assert "[ met ]" in best and "repeats: 1.667, 1.500" in best
+    assert "repeats: 0.962, 0.900" in lines["random c8 output tok/s HTTP ÷ in-process"]
+    assert "n/a" in lines["random c8 output tok/s ÷ mlx-lm"]  # mlx_lm.server did not run
