@@ -64,6 +64,8 @@ PEERS = {
             "`model` is a required field",
             "ignore_eos is not a field: dropped, outputs stop at EOS",
             "streams text without token ids",
+            "saves its prefix cache under ~/.cache/vllm-mlx at exit and reloads it at start "
+            "(no flag turns that off: benchmarks.serving gives each server a HOME of its own)",
         ),
         needs_model_field=True,
     ),

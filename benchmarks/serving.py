@@ -111,7 +111,9 @@ class ManagedServer(ServerProcess):
                    "--host", "127.0.0.1", "--port", str(self.port)]
         elif backend in PEERS:
             cmd, blas = peer_server(PEERS[backend], model, self.port)
-            env.update(blas)
+            # a HOME of its own: vllm-mlx saves its prefix cache under ~/.cache at exit and
+            # loads it at the next start, which would carry prompts into a fresh server
+            env.update(blas, HOME=self.hf_cache)
         else:
             cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(self.port),
                    "--zmq-port", str(self.zmq_port), *extra]
