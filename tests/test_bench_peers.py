@@ -17,7 +17,7 @@ import pytest
 from benchmarks import peers
 from benchmarks.records import INPROCESS, RequestResult, RunResult, WorkloadSpec
 from benchmarks.report import BEST_PEER, comparison_table, compute_metrics
-from benchmarks.serving import Endpoint, make_sender, parse_args, plan_runs
+from benchmarks.serving import Endpoint, ManagedServer, make_sender, parse_args, plan_runs
 from benchmarks.transports import HttpSender
 from benchmarks.workloads import Clock
 
@@ -88,6 +88,19 @@ def test_serve_commands_and_the_blas_they_get(tmp_path):
         assert env == {}
     else:
         assert env["LD_PRELOAD"] == openblas
+
+
+def test_a_peer_server_gets_openblas_and_a_home_of_its_own(tmp_path):
+    server = ManagedServer("vllm-mlx", "/models/m", tmp_path, [])
+    try:
+        assert server.cmd[1:3] == ["serve", "/models/m"]
+        assert server.cmd[server.cmd.index("--port") + 1] == str(server.port)
+        assert server.env["HOME"] == server.hf_cache != os.environ.get("HOME")
+        for key, value in peers.blas_env().items():
+            assert server.env[key] == value
+    finally:
+        server.stop()
+    assert not os.path.exists(server.hf_cache)
 
 
 def test_pip_freeze_is_checked_against_the_pins():
