@@ -86,6 +86,7 @@ bench: setup
 	$(PY) -m benchmarks.one_batch --preset small --batch-size 8 --cached-prefix-len 1984 --input-len 64 --output-len 64 --rounds 5 --kv-cache-dtype auto int8 int4
 	$(PY) -m benchmarks.families
 	$(PY) -m benchmarks.restart
+	$(PY) -m benchmarks.decode_floor --preset medium --context 1024 8192
 	$(PY) -m benchmarks.serving --suite standard
 	$(PY) -m benchmarks.serving --suite speculative
 	$(PY) -m benchmarks.routing --preset tiny --dp-size 2

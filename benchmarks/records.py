@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# benchmarks.replay's backend: the scheduler and the worker in the benchmark's process
+INPROCESS = "radix-mlx-inprocess"
+
 
 @dataclass
 class Prompt:

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.records import RequestResult, RunResult
+from benchmarks.peers import PEER_BACKENDS
+from benchmarks.records import INPROCESS, RequestResult, RunResult
 
 REFERENCE = "mlx-lm"
 
@@ -123,6 +124,7 @@ def compute_metrics(run: RunResult) -> dict[str, Any]:
     m["cached_share_by_label"] = _cached_by_label(ok)
     m["first_token_held_by_mlx_lm"] = run.info.get("first_token_held_by_mlx_lm")
     m["foreign_cpu_cores"] = run.info.get("foreign_cpu_cores")
+    m["worker_decode_step_ms"] = run.info.get("worker_decode_step_ms")  # in-process only
     return m
 
 
@@ -254,8 +256,11 @@ def comparison_table(results: list[tuple[RunResult, dict]]) -> str:
     for run, m in results:
         groups[run.load_key()][run.backend] = m
     backends = list(dict.fromkeys(run.backend for run, _ in results))
-    others = [b for b in backends if b != REFERENCE]
+    others = [b for b in backends if b not in PEER_BACKENDS]
     ratio_cols = [f"{b}÷{REFERENCE}" for b in others] if REFERENCE in backends else []
+    peers = [b for b in backends if b in PEER_BACKENDS]
+    best_col = "radix-mlx" in backends and bool(peers)
+    ratio_cols += [BEST_PEER] if best_col else []
     widths = [max(12, len(c) + 2) for c in backends + ratio_cols]
     head = f"{'load / metric':<34}" + "".join(
         f"{c:>{w}}" for c, w in zip(backends + ratio_cols, widths)
@@ -265,8 +270,12 @@ def comparison_table(results: list[tuple[RunResult, dict]]) -> str:
         lines.append(key)
         for title, name, fmt in _rows_for(per):
             cells = [fmt.format(metric(per[b], name)) if b in per else "-" for b in backends]
-            cells += [_ratio(per, b, name) for b in others] if ratio_cols else []
+            cells += [_ratio(per, b, name) for b in others] if REFERENCE in backends else []
+            cells += [_ratio(per, "radix-mlx", name, best_peer(per))] if best_col else []
             lines.append(f"  {title:<32}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+        if best_col and best_peer(per):
+            lines.append(f"  best peer (by output tok/s): {best_peer(per)}")
+        lines += serving_overhead(per)
         lines += _held_note(per)
         busy = [
             f"{b} {m['foreign_cpu_cores']:.2f}"
@@ -304,11 +313,37 @@ def _rows_for(per: dict[str, dict]) -> list[tuple[str, str, str]]:
     return list(COMPARE_ROWS) + extra
 
 
-def _ratio(per: dict[str, dict], backend: str, name: str) -> str:
-    """backend ÷ mlx_lm.server; none for shares, where a ratio of near-zeros means nothing."""
-    if backend not in per or REFERENCE not in per or name.startswith("cached_share"):
+BEST_PEER = "radix-mlx÷best peer"
+
+
+def best_peer(per: dict[str, dict]) -> str | None:
+    """The peer with the most output tok/s on this load (None if no peer ran it)."""
+    peers = [b for b in per if b in PEER_BACKENDS]
+    return max(peers, key=lambda b: metric(per[b], "output_throughput"), default=None)
+
+
+def serving_overhead(per: dict[str, dict]) -> list[str]:
+    """What the serving path costs, where radix-mlx ran over HTTP and in-process
+    (benchmarks.replay): output tok/s of one ÷ the other, and the HTTP ITL p50 ÷ the
+    worker's own median decode step in the replay."""
+    if "radix-mlx" not in per or INPROCESS not in per:
+        return []
+    http, local = per["radix-mlx"], per[INPROCESS]
+    line = "  serving overhead: HTTP ÷ in-process output tok/s "
+    line += _ratio(per, "radix-mlx", "output_throughput", INPROCESS)
+    step = local.get("worker_decode_step_ms")
+    if step:
+        line += f"; HTTP ITL p50 ÷ worker decode step {http['median_itl_ms'] / step:.2f}x"
+        line += f" (step {step:.2f} ms)"
+    return [line]
+
+
+def _ratio(per: dict[str, dict], backend: str, name: str, den_backend: str = REFERENCE) -> str:
+    """backend ÷ mlx_lm.server (or another); none for shares, where a ratio of near-zeros
+    means nothing."""
+    if backend not in per or den_backend not in per or name.startswith("cached_share"):
         return "-"
-    den = metric(per[REFERENCE], name)
+    den = metric(per[den_backend], name)
     return f"{metric(per[backend], name) / den:.2f}x" if den else "-"
 
 

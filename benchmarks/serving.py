@@ -29,8 +29,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import httpx
+
 from benchmarks.conversations import ChatSender, ResponsesSender
-from benchmarks.records import RunResult, WorkloadSpec
+from benchmarks.peers import PEER_BACKENDS, PEERS, install_peers, peer_server, with_peers
+from benchmarks.records import INPROCESS, RunResult, WorkloadSpec
+from benchmarks.replay import InProcessEngine
 from benchmarks.report import (
     CpuMeter,
     append_jsonl,
@@ -58,7 +62,8 @@ from router.serving.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
 BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram", "radix-mlx-draft",
-            "radix-mlx-chat", "radix-mlx-responses")  # fmt: skip
+            "radix-mlx-chat", "radix-mlx-responses", *PEERS, INPROCESS)  # fmt: skip
+ALIASES = {"mlx_lm.server": "mlx-lm"}
 # radix-mlx spoken to through the chat or the Responses API (benchmarks.conversations)
 CONVERSATION_SENDERS = {"radix-mlx-chat": ChatSender, "radix-mlx-responses": ResponsesSender}
 RADIX_MLX = str(Path(sys.executable).parent / "radix-mlx")
@@ -77,6 +82,8 @@ class Endpoint:
     url: str
     zmq_address: str | None = None
     pid: int | None = None  # a server the bench started: its CPU is not "other work"
+    model: str = ""  # the model path, for a peer that wants it named in every request
+    engine: InProcessEngine | None = None  # INPROCESS: scheduler and worker in this process
 
 
 @dataclass
@@ -94,7 +101,7 @@ class ManagedServer(ServerProcess):
     """A backend the bench starts on free loopback ports and always stops."""
 
     def __init__(self, backend: str, model: str, log_dir: Path, extra: list[str]):
-        self.backend = backend
+        self.backend, self.model = backend, model
         self.port, self.zmq_port = free_ports(2)
         self.hf_cache = tempfile.mkdtemp(prefix="bench-hf-")  # mlx_lm.server needs one offline
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=self.hf_cache)
@@ -102,6 +109,11 @@ class ManagedServer(ServerProcess):
         if backend == "mlx-lm":
             cmd = [sys.executable, "-c", MLX_LM_MAIN, "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port)]
+        elif backend in PEERS:
+            cmd, blas = peer_server(PEERS[backend], model, self.port)
+            # a HOME of its own: vllm-mlx saves its prefix cache under ~/.cache at exit and
+            # loads it at the next start, which would carry prompts into a fresh server
+            env.update(blas, HOME=self.hf_cache)
         else:
             cmd = [RADIX_MLX, "serve", "--model-path", model, "--port", str(self.port),
                    "--zmq-port", str(self.zmq_port), *extra]
@@ -115,9 +127,18 @@ class ManagedServer(ServerProcess):
 
     @property
     def endpoint(self) -> Endpoint:
-        zmq = f"tcp://127.0.0.1:{self.zmq_port}" if self.backend != "mlx-lm" else None
+        zmq = f"tcp://127.0.0.1:{self.zmq_port}" if self.backend not in PEER_BACKENDS else None
         pid = self.proc.pid if self.proc is not None else None
-        return Endpoint(self.backend, self.url, zmq, pid)
+        return Endpoint(self.backend, self.url, zmq, pid, self.model)
+
+    def ready(self) -> bool:
+        """A peer may have no /health: its model list answering is as good."""
+        if self.backend not in PEERS:
+            return super().ready()
+        try:
+            return httpx.get(self.url + "/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def start(self, timeout: float = 300) -> Endpoint:
         try:
@@ -136,13 +157,18 @@ class ManagedServer(ServerProcess):
 
 
 def make_sender(ep: Endpoint, transport: str, connections: int):
+    if ep.engine is not None:
+        return ep.engine.sender()
     if ep.backend in CONVERSATION_SENDERS:
         return CONVERSATION_SENDERS[ep.backend](ep.url, connections)
     if transport == "sdk":
-        if ep.backend == "mlx-lm" or not ep.zmq_address:
+        if ep.backend in PEER_BACKENDS or not ep.zmq_address:
             raise ValueError("--transport sdk needs a radix-mlx backend and its ZMQ address")
         return SdkSender(ep.zmq_address)
-    return HttpSender(ep.url, text_prompts=ep.backend == "mlx-lm", connections=connections)
+    text = ep.backend in PEER_BACKENDS
+    peer = PEERS.get(ep.backend)
+    body = {"model": ep.model} if peer is not None and peer.needs_model_field else None
+    return HttpSender(ep.url, text_prompts=text, connections=connections, sampling=body)
 
 
 async def bench_run(
@@ -161,18 +187,22 @@ async def bench_run(
     load = f"{spec.key()} c{max_concurrency} r{request_rate}"
     factory = PromptFactory(tokenizer, f"{seed}:{load}")
     sessions = build_sessions(spec, factory)
-    transport = "http" if ep.backend == "mlx-lm" else transport
+    transport = {"mlx-lm": "http", **dict.fromkeys(PEERS, "http"), INPROCESS: "none"}.get(
+        ep.backend, transport
+    )
     sender = make_sender(ep, transport, max_concurrency or len(sessions) + 1)
     meter = CpuMeter([os.getpid()] + ([ep.pid] if ep.pid else []))
     bar = Progress(sum(len(s.turns) for s in sessions), f"{ep.backend} {spec.name}", progress)
     try:
-        text = ep.backend == "mlx-lm"
+        text = ep.backend in PEER_BACKENDS
         reqs, dur = await run_sessions(
             sessions, sender, factory, text, max_concurrency, request_rate, seed, bar
         )
     finally:
         bar.close()
         await sender.close()
+    if ep.engine is not None:
+        info = dict(info or {}, **ep.engine.take_step_stats())
     held = held_first_tokens(tokenizer, reqs)
     foreign = meter.foreign_cores() if ep.pid else None
     info = dict(info or {}, first_token_held_by_mlx_lm=held, foreign_cpu_cores=foreign)
@@ -200,7 +230,7 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
         return [
             PlannedRun(b, load.spec, c, load.loop)
             for load in suite
-            for b in load.backends
+            for b in with_peers(load.backends, args.peers)
             for c in load.concurrencies
         ]
     backends = BACKENDS[:3] if args.backend == ["all"] else tuple(args.backend)
@@ -254,7 +284,11 @@ async def run_backend(
     """Start (or reach) one backend, run its share of the plan, always stop it. Repeat k
     sends other prompts (seed + k), the same on every backend."""
     server = None
-    if args.base_url:
+    if backend == INPROCESS:
+        print(f"starting {backend}: scheduler and worker in this process", flush=True)
+        server = InProcessEngine(model, args.server_args)
+        ep = Endpoint(backend, "in-process", model=model, engine=server)
+    elif args.base_url:
         ep = Endpoint(backend, args.base_url.rstrip("/"), args.zmq_address)
     else:
         extra = list(args.server_args)
@@ -310,7 +344,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "medium one, see workloads.speculative_suite)",
     )
     a(
+        "--peers",
+        nargs="+",
+        choices=PEER_BACKENDS,
+        default=list(PEER_BACKENDS),
+        help="with --suite standard: the peers measured beside radix-mlx (each installed "
+        "once into .cache/peers/, see benchmarks/peers.py; mlx-lm is mlx_lm.server)",
+    )
+    a(
         "--backend",
+        type=lambda b: ALIASES.get(b, b),
         choices=[*BACKENDS, "all"],
         nargs="+",
         default=["radix-mlx"],
@@ -399,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    plan = plan_runs(args)
+    plan, args.not_installed = install_peers(plan_runs(args))
     started = time.perf_counter()
     results = []
     for loop in dict.fromkeys(p.loop for p in plan):  # one model per build the plan uses

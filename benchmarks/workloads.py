@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from benchmarks.records import Prompt, RequestResult, WorkloadSpec
+from benchmarks.records import INPROCESS, Prompt, RequestResult, WorkloadSpec
 
 WORKLOADS = (
     "random", "generated-shared-prefix", "multi-tenant", "multi-turn", "repeat", "agent",
@@ -315,18 +315,19 @@ class SuiteLoad(NamedTuple):
 
 
 def standard_suite() -> list[SuiteLoad]:
-    """The issues' target loads (plus a random-load sweep for the throughput plot)."""
+    """The issues' target loads (plus a random-load sweep for the throughput plot). "mlx-lm"
+    stands for the peers: `--peers` (benchmarks.serving) says which run in its place."""
     both = ("radix-mlx", "mlx-lm")
     rnd = dict(input_len=256, output_len=64, range_ratio=1.0)
     gsp = dict(groups=4, prompts_per_group=8, system_len=1024, question_len=64, output_len=32)
     turns = dict(conversations=8, turns=4, user_len=64, output_len=32)
     return [
         SuiteLoad(WorkloadSpec("random", dict(num_prompts=32, **rnd)), [1, 4], both),
-        SuiteLoad(WorkloadSpec("random", dict(num_prompts=64, **rnd)), [8], both),
+        SuiteLoad(WorkloadSpec("random", dict(num_prompts=64, **rnd)), [8], (*both, INPROCESS)),
         SuiteLoad(
             WorkloadSpec("generated-shared-prefix", gsp),
             [8],
-            ("radix-mlx", "radix-mlx-no-cache", "mlx-lm"),
+            ("radix-mlx", "radix-mlx-no-cache", INPROCESS, "mlx-lm"),
         ),
         SuiteLoad(WorkloadSpec("multi-turn", turns), [8], both),
         SuiteLoad(WorkloadSpec("repeat", dict(length=2048, output_len=16, warm_runs=9)), [1], both),
