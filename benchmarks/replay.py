@@ -41,12 +41,12 @@ def start_worker(args, blas: str) -> tuple[object, Callable]:
     from worker_mlx.loader import load_runner
     from worker_mlx.worker import execute
 
-    runner, ready = load_runner(args, blas)
-    cache = BufferCacheBound(runner.memory.cache)
+    engine, ready = load_runner(args, blas)  # a runner, or a Verifier around one
+    cache = BufferCacheBound(engine.runner.memory.cache)
 
     def step(msg):
-        reply = execute(runner, msg)
-        runner.run_ahead()
+        reply = execute(engine, msg)
+        engine.run_ahead()
         cache.after_step()
         return reply
 
