@@ -12,6 +12,7 @@ from router.api.access_log import count_usage
 from router.api.cache_salt_header import request_salt
 from router.api.generation import Tokenization, generate_text
 from router.api.model_names import ModelNames
+from router.api.openai_api import TokenPieces
 from router.metrics import track_finish
 from router.replicas.manager import RouterManager
 
@@ -20,11 +21,15 @@ class ApiContext:
     """One server's manager, tokenizer, arguments and metrics, and what the routes of
     every API do alike with them."""
 
-    def __init__(self, manager: RouterManager, tokenizer, args, metrics):
+    def __init__(self, manager: RouterManager, tokenizer, args, metrics, names: ModelNames | None = None):  # fmt: skip
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
-        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
+        # the names this model answers to: the server's flags, or its entry's among several
+        self.names = names or ModelNames(
+            args.served_model_names, args.model_alias or [], args.model_path
+        )
         self.model_name = self.names.reported  # the name responses report
+        self.pieces = TokenPieces(tokenizer)  # token texts and bytes for logprobs
 
     def check_model(self, req) -> None:
         """A replica serves, and the request's `model` is one this server answers to."""
