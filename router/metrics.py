@@ -244,9 +244,10 @@ class Metrics:
         self._down.add(self._at(replica))
         last = self._stats.get(self._at(replica))
         if last is not None:
-            self._stats[self._at(replica)] = SchedulerStats(0, 0, 0.0, last.capacity, last.evicted_tokens,
-                                                  last.retracted_requests)  # fmt: skip
-            self._set_gauges(self._stats[self._at(replica)], replica)
+            zeroed = SchedulerStats(0, 0, 0.0, last.capacity, last.evicted_tokens,
+                                    last.retracted_requests)  # fmt: skip
+            self._stats[self._at(replica)] = zeroed
+            self._set_gauges(zeroed, replica)
         for child in ("scheduler", "worker"):
             self.up.labels(child).set(0)
 

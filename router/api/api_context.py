@@ -21,7 +21,8 @@ class ApiContext:
     """One server's manager, tokenizer, arguments and metrics, and what the routes of
     every API do alike with them."""
 
-    def __init__(self, manager: RouterManager, tokenizer, args, metrics, names: ModelNames | None = None):  # fmt: skip
+    def __init__(self, manager: RouterManager, tokenizer, args, metrics,
+                 names: ModelNames | None = None):  # fmt: skip
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
         # the names this model answers to: the server's flags, or its entry's among several

@@ -21,9 +21,9 @@ from starlette.exceptions import HTTPException
 
 from common.messages import Output
 from router.api.access_log import AccessLog
+from router.api.admin import AdminRoutes
 from router.api.anthropic_api import anthropic_error_body
 from router.api.anthropic_messages import AnthropicRoutes
-from router.api.admin import AdminRoutes
 from router.api.api_context import ApiContext
 from router.api.cache_salt_header import SaltHeader
 from router.api.chat_response import chat_renderer, plan_chat
@@ -44,7 +44,8 @@ from router.api.response_assembly import Choice, collect, stream
 from router.api.served_models import SingleModel
 from router.request_error import RequestError
 
-_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/admin/")  # paths that need the API key, if one is set
+# paths that need the API key, if one is set
+_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/admin/")
 _ANTHROPIC = "/v1/messages"  # paths of the Anthropic API (its error bodies)
 MAX_CHOICES = 64  # prompts x n in one request; each is a request of its own upstream
 

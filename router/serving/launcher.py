@@ -38,8 +38,8 @@ from common.messages import ModelIdentity
 from common.model_identity import model_identity
 from common.server_args import ServerArgs
 from common.trace import Trace
-from router.api.chat_overrides import apply_chat_overrides, chat_overrides
 from router.api.api_context import ApiContext
+from router.api.chat_overrides import apply_chat_overrides, chat_overrides
 from router.api.http_server import create_app
 from router.api.served_models import SingleModel
 from router.metrics import Metrics

@@ -94,8 +94,7 @@ class ModelRegistry:
     def add(self, entry: ModelEntry) -> None:
         if entry.name in self.entries and self.entries[entry.name].path != entry.path:
             raise ValueError(
-                f"two models named {entry.name!r}: {self.entries[entry.name].path} and "
-                f"{entry.path}"
+                f"two models named {entry.name!r}: {self.entries[entry.name].path} and {entry.path}"
             )
         self.entries[entry.name] = entry
 
