@@ -15,8 +15,9 @@ a request's model is loaded on demand, and what stays is decided by --max-loaded
   loaded models' own budgets (as each worker measured and reported them), at most the
   budget / --max-loaded-models; its KV pool is sized from that, and the log says so.
 - **Hot swap.** `load(name, reload=True)` (or a new path under the name) starts a new
-  pair beside the old one; once it serves it takes the new requests and the old one
-  stops after its requests are done.
+  pair beside the old one, with the old one's share of the budget and slot (both run
+  for a while); once it serves it takes the new requests and the old one stops after
+  its requests are done.
 """
 
 from __future__ import annotations
@@ -223,8 +224,10 @@ class ModelPool:
             return None
         return self.budget // (self.args.max_loaded_models or 1)
 
-    def _free(self) -> int:
-        held = sum(m.footprint for m in [*self.loaded.values(), *self.retired])
+    def _free(self, old: LoadedModel | None) -> int:
+        """What the budget leaves; in a swap the new version takes the old one's share
+        (both run while the old one finishes its requests)."""
+        held = sum(m.footprint for m in [*self.loaded.values(), *self.retired] if m is not old)
         return self.budget - held
 
     def _refuse_too_large(self, entry: ModelEntry) -> None:
@@ -244,7 +247,7 @@ class ModelPool:
         limit = self.args.max_loaded_models
         if limit is not None and len(others) >= limit:
             return True
-        return self.budget is not None and self._free() < entry.weights_bytes()
+        return self.budget is not None and self._free(old) < entry.weights_bytes()
 
     def _victim(self, spare: LoadedModel | None) -> LoadedModel | None:
         """The least recently used model that is not pinned and idle."""
@@ -276,7 +279,7 @@ class ModelPool:
             await asyncio.sleep(ROOM_POLL)
         if self.budget is None:
             return None
-        given = min(self._free(), self._share())
+        given = min(self._free(old), self._share())
         logger.info("model %s gets --max-memory %s: what --models-memory-budget %s leaves "
                     "beside %d loaded model(s)", entry.name, format_size(given),
                     format_size(self.budget), len(self.loaded))  # fmt: skip
