@@ -251,6 +251,13 @@ class Metrics:
         for child in ("scheduler", "worker"):
             self.up.labels(child).set(0)
 
+    def observe_unloaded(self, replica: str = "r0") -> None:
+        """A model's pair stopped for good (unloaded): nothing runs or waits there."""
+        self.replica_up.labels(*self._at(replica)).set(0)
+        last = self._stats.pop(self._at(replica), None)
+        capacity = last.capacity if last is not None else 0
+        self._set_gauges(SchedulerStats(0, 0, 0.0, capacity, 0, 0), replica)
+
     def observe_stats(self, s: SchedulerStats, replica: str = "r0") -> None:
         seen = self._stats.get(self._at(replica))
         evicted = s.evicted_tokens - (seen.evicted_tokens if seen else 0)

@@ -18,7 +18,7 @@ import pytest
 
 from common.ipc import free_ports
 from tests.conftest import mlx_greedy
-from tests.server import RADIX_MLX, ServerProcess, log_lines
+from tests.server import RADIX_MLX, checked_server, log_lines
 
 pytestmark = pytest.mark.slow
 KEY = "sesame"
@@ -27,15 +27,16 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def two_models(tiny_model, tiny_llama, tmp_path_factory):
+    """Both models behind one server, one loaded at a time; it must outlive the tests
+    and log no traceback (checked_server)."""
     log = tmp_path_factory.mktemp("models") / "server.log"
-    server = ServerProcess(tiny_model, log, extra=[
+    extra = [
         "--model-path", tiny_llama, "--max-loaded-models", "1", "--max-total-tokens", "4096",
         "--models-memory-budget", "4GiB", "--restart-wait-timeout", "120", "--api-key", KEY,
-    ])  # fmt: skip
-    server.start()
-    yield server, {os.path.basename(tiny_model): tiny_model,
-                   os.path.basename(tiny_llama): tiny_llama}  # fmt: skip
-    server.stop()
+    ]  # fmt: skip
+    with checked_server(tiny_model, log, extra) as server:
+        yield server, {os.path.basename(tiny_model): tiny_model,
+                       os.path.basename(tiny_llama): tiny_llama}  # fmt: skip
 
 
 def _prompt(seed: int) -> list[int]:
@@ -115,6 +116,8 @@ def test_admin_endpoints_need_the_key_and_load_and_unload(two_models):
     r = _admin(server, "load", {"model": "no-such-model"})
     assert r.status_code == 404 and "no-such-model" in r.json()["error"]["message"]
     assert _admin(server, "load", {}).status_code == 400
+    health = httpx.get(server.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and {m["id"] for m in health["models"]} == set(models)
 
 
 def test_unknown_model_is_a_404_naming_it(two_models):

@@ -300,6 +300,7 @@ class ModelPool:
         logger.info("unloading model %s (%s; %d request(s) in flight)", name, reason, pending)
         await model.drain(RETIRE_TIMEOUT)
         await model.stop()
+        model.metrics.observe_unloaded(model.replica.id)  # not a swap's: the name lives on
         logger.info("model %s unloaded", name)
 
     async def keep(self) -> None:
