@@ -49,11 +49,13 @@ def test_model_dir_offers_each_model_directory_under_its_name(model_dir):
 def test_aliases_attach_to_the_model_they_name(model_dir, tiny_model):
     args = _serve_args(
         "--model-path", tiny_model, "--model-dir", str(model_dir), "--served-model-name",
-        "main", "--model-alias", "claude-*", "--model-alias", "gpt-*=llama",
+        "main", "--served-model-name", "primary", "--model-alias", "claude-*",
+        "--model-alias", "gpt-*=llama",
     )  # fmt: skip
     registry = ModelRegistry.from_args(args)
     first = registry.first.name
-    assert registry.find("main").name == first  # --served-model-name: the first model's
+    assert list(registry.entries) == ["main", "llama", "qwen"]  # the first is listed as named
+    assert registry.find("primary").name == first  # --served-model-name: the first model's
     assert registry.find("claude-haiku-4-5").name == first  # a bare pattern: the first's
     assert registry.find("gpt-4o").name == "llama"
     assert registry.find(tiny_model).name == first  # the path as given

@@ -168,3 +168,20 @@ def test_a_model_over_the_budget_is_refused_with_the_sizes(tiny_model, tiny_llam
     assert out.returncode == 1, out.stdout
     assert re.search(r"does not fit: its weights alone are \d+ KiB, over "
                      r"--models-memory-budget 100 KiB", out.stdout), out.stdout  # fmt: skip
+
+
+def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_path):
+    pinned, other = os.path.basename(tiny_model), os.path.basename(tiny_llama)
+    extra = [
+        "--model-path", tiny_llama, "--pin-model", pinned, "--model-idle-timeout", "1",
+        "--max-loaded-models", "2", "--max-total-tokens", "4096",
+    ]  # fmt: skip
+    with checked_server(tiny_model, tmp_path / "server.log", extra) as server:
+        assert _loaded(server) == {pinned: True, other: False}  # the pinned one at start
+        assert _complete(server, other, _prompt(30)).status_code == 200
+        unloaded = log_lines(server, rf"unloading model {re.escape(other)} \(idle for 1 s")
+        assert unloaded, server.log()
+        assert _loaded(server) == {pinned: True, other: False}
+        r = _admin(server, "unload", {"model": pinned}, headers={})
+        assert r.status_code == 400 and "pinned" in r.json()["error"]["message"]
+        assert f"unloading model {pinned}" not in server.log()

@@ -1,6 +1,7 @@
 """What models a server with several offers (`--model-path` repeated, `--model-dir`) and
 the names a request may give for each: its directory's name, the path as given,
-`--served-model-name` (the first model's extra names) and `--model-alias` globs
+`--served-model-name` (the first model's names, the first the one it is listed and
+reported under) and `--model-alias` globs
 (`PATTERN=MODEL`, or a bare PATTERN for the first model).
 
 An entry says what kind of model it is (`kind`): every model is served for generation
@@ -78,8 +79,10 @@ class ModelRegistry:
             if not found:
                 raise ValueError(f"--model-dir {args.model_dir}: no model directory in it")
             entries += [_entry(str(p.resolve()), str(p)) for p in found]
+        if args.served_model_name and entries:  # the first model's names, as with one model
+            first, *others = args.served_model_name
+            entries[0].name, entries[0].extra_names = first, others
         registry = cls(entries)
-        registry.first.extra_names = list(args.served_model_name or [])
         for alias in args.model_alias or []:
             pattern, _, model = alias.rpartition("=") if "=" in alias else (alias, "", "")
             target = registry.entries.get(model) if model else registry.first
