@@ -103,8 +103,8 @@ def main(args, model: str, blas: str) -> list[dict]:
         max_memory=args.max_memory, context_length=max(longest, 4096),
         disable_overlap_schedule=True,
     )  # fmt: skip
-    runner, ready = load_runner(server, blas)
-    cache = BufferCacheBound(runner.memory.cache)
+    runner, ready = load_runner(server, blas)  # the engine: a runner, or a Verifier around one
+    cache = BufferCacheBound(runner.runner.memory.cache)
     sched = Scheduler(server, ready)
     report = ready.memory
     print(

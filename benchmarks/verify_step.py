@@ -33,32 +33,39 @@ from worker_mlx.backends import select  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
 from worker_mlx.model_probe import probe_kv_layout  # noqa: E402
 from worker_mlx.model_runner import ModelRunner  # noqa: E402
+from worker_mlx.proposer import SchedulerDrafts  # noqa: E402
+from worker_mlx.speculation import Verifier  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=1 << 20, temperature=0, ignore_eos=True)
 
 
-def _runner(model, vocab: int, slots: int, draft=None) -> ModelRunner:
+def _runner(model, vocab: int, slots: int, draft=None) -> Verifier:
+    """A Verifier around the target's runner, as the loader builds it: with the draft
+    model as its proposer, else the scheduler's drafts."""
     backend = select()
-    drafter = None
+    proposer = SchedulerDrafts()
     if draft is not None:
         from worker_mlx.draft_model import DraftModel
 
         pool = MlxKVPool(probe_kv_layout(draft), slots)
-        drafter = DraftModel(ModelRunner(draft, pool, vocab, compile_decode=backend.compile_decode))
-    return ModelRunner(
+        proposer = DraftModel(
+            ModelRunner(draft, pool, vocab, compile_decode=backend.compile_decode)
+        )
+    runner = ModelRunner(
         model, MlxKVPool(probe_kv_layout(model), slots), vocab,
-        prefill_step=backend.prefill_step, compile_decode=backend.compile_decode, drafter=drafter,
+        prefill_step=backend.prefill_step, compile_decode=backend.compile_decode,
     )  # fmt: skip
+    return Verifier(runner, proposer)
 
 
-def _start(runner: ModelRunner, slots: SlotList, prompts: list[list[int]]) -> dict:
+def _start(runner: Verifier, slots: SlotList, prompts: list[list[int]]) -> dict:
     rids = [f"r{i}" for i in range(len(prompts))]
     reqs = [ExtendReq(r, p, [], slots.take(len(p)), GREEDY) for r, p in zip(rids, prompts)]
     out = runner.extend(ExtendBatch(0, reqs))
     return {rid: [tok] for rid, tok in zip(out.rids, out.next_token_ids)}
 
 
-def _plain(runner: ModelRunner, slots: SlotList, outs: dict, step: int) -> None:
+def _plain(runner: Verifier, slots: SlotList, outs: dict, step: int) -> None:
     rids = list(outs)
     res = runner.decode(DecodeBatch(step, rids, slots.take(len(rids))))
     for rid, tok in zip(rids, res.next_token_ids):
@@ -71,10 +78,10 @@ def _verify(runner, slots, outs: dict, want: dict, k: int, step: int, worker_dra
     batch = DecodeBatch(
         step, rids, slots.take(len(rids)),
         drafts=[[] for _ in rids] if worker_drafts else drafts,
-        draft_cache_loc=[slots.take(k) for _ in rids],
+        draft_slots=[slots.take(k) for _ in rids], worker_drafts=worker_drafts,
     )  # fmt: skip
     res = runner.decode(batch)
-    proposed = res.drafts if worker_drafts else drafts
+    proposed = res.proposed if worker_drafts else drafts
     for i, rid in enumerate(rids):
         outs[rid] += proposed[i][: res.accepted[i]] + [res.next_token_ids[i]]
     return sum(res.accepted)

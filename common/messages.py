@@ -187,13 +187,15 @@ class DecodeBatch:
     # The scheduler expects to decode the same requests next: the worker may compute that
     # step while the scheduler handles this one (it is dropped if the next message differs).
     lookahead: bool = False
-    # Speculative decoding: per row, draft tokens to verify after its last token and the
-    # fresh slots for their KV (one each); [] when no row drafts. The reply's `accepted`
-    # says how many of each row's drafts were kept. With a draft model in the worker
-    # (--speculative-algorithm draft) a drafting row sends only its slots and empty
-    # drafts: the worker proposes one token per slot and replies with them (`drafts`).
+    # Speculative decoding, per row ([] when no row drafts): `draft_slots`, fresh slots
+    # for the KV of its drafts, one each, and `drafts`, the draft tokens to verify after
+    # its last token (the scheduler's n-gram proposals, as many as slots). The reply's
+    # `accepted` says how many of each row's drafts were kept.
     drafts: list[list[int]] = field(default_factory=list)
-    draft_cache_loc: list[list[int]] = field(default_factory=list)
+    draft_slots: list[list[int]] = field(default_factory=list)
+    # The worker's draft model proposes the drafts (--speculative-algorithm draft): one
+    # token per draft slot, `drafts` empty; the reply's `proposed` says which.
+    worker_drafts: bool = False
 
 
 @dataclass
@@ -221,10 +223,12 @@ class StepResult:
     # A distributed worker: seconds a recent decode step's collectives took, replayed
     # alone (worker_mlx.distributed.CollectiveProbe); 0.0 when none was timed since.
     collective_seconds: float = 0.0
-    # With a draft model in the worker, per row: the drafts it proposed for a row with
-    # draft slots, else its guess of the token this step produced (one; the row's shadow
-    # proposal).
-    drafts: list[list[int]] | None = None
+    # A `worker_drafts` step: per row, the drafts the worker's draft model proposed and
+    # the step verified ([] for a row without draft slots).
+    proposed: list[list[int]] | None = None
+    # With a draft model in the worker: per row, its guess of the token this step
+    # produced, for a row that did not draft (its shadow proposal; None for one that did).
+    guesses: list[int | None] | None = None
     # A decode step the worker computed on receipt: its seconds, from the descriptor to
     # the tokens on the host (None for an extend, or a step computed ahead). The
     # scheduler weighs a verify step's cost against a plain one's with it.

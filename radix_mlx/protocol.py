@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: DecodeBatch.worker_drafts, StepResult.proposed / guesses
 TYPE_KEY = "type"
 VERSION_KEY = "v"
 

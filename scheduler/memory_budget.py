@@ -8,7 +8,7 @@ the worker; what the scheduler decides on top of it is counted here:
   left-padded row each, `round_up(longest + 1, 256)` columns, doubled when full, the old
   and the new buffers both alive while it grows (worker_mlx/decode_buffer.py): at most
   rows x 3 x that x `kv_token_bytes`;
-- a prefill pass (worker_mlx/prefill.py): rows of at most `prefill_step` new tokens after
+- a prefill pass (worker_mlx/extend_pass.py): rows of at most `prefill_step` new tokens after
   a prefix, all read back from the pool, so per pass B x L x C score-and-mask pairs (the
   CPU's attention materialises the (B, H, L, C) scores), B x C gathered tokens, B x L
   tokens of activations and B sampled rows; the worst pass of an extend is its last round

@@ -192,7 +192,7 @@ class Scheduler:
             raise RuntimeError("no KV slot for a lone running request")  # rejected at entry
         for req, loc in zip(self.running, locs):
             self.kv.append_decode_slot(req, loc)
-        drafts, draft_locs = self.spec.draft(self.running)
+        drafts, draft_slots = self.spec.draft(self.running)
         self.in_flight = list(self.running)
         self.step += 1
         self.new_token_ratio = max(
@@ -208,8 +208,9 @@ class Scheduler:
         lookahead = lookahead and not self.spec.active(self.running)
         rids = [r.rid for r in self.running]
         return DecodeBatch(
-            self.step, rids, locs, self._take_release(), lookahead, drafts, draft_locs
-        )
+            self.step, rids, locs, self._take_release(), lookahead, drafts, draft_slots,
+            worker_drafts=self.spec.worker_drafts,
+        )  # fmt: skip
 
     def _expire_memory_waits(self) -> None:
         """Waiting requests that found no memory beside the running ones for longer than

@@ -158,7 +158,7 @@ class NgramSpeculation:
         return []
 
     def observe(
-        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+        self, req: Req, drafted: int, kept: int, first: int, guess: int | None = None
     ) -> None:
         state = self.rows.get(req.rid)
         if state is not None:
@@ -198,14 +198,14 @@ class DraftModelSpeculation:
         return out
 
     def observe(
-        self, req: Req, drafted: int, kept: int, first: int, guess: list[int] | None = None
+        self, req: Req, drafted: int, kept: int, first: int, guess: int | None = None
     ) -> None:
-        """As NgramSpeculation's; `guess` is what the reply says the draft proposed."""
+        """As NgramSpeculation's; `guess` is the draft's guess the reply carries."""
         row = self.rows.get(req.rid)
         if row is None:
             return
         if not drafted:
-            row.shadow = guess[0] if guess else None
+            row.shadow = guess
         row.observe(drafted, kept, first)
 
     def active(self, reqs: list[Req]) -> bool:
@@ -232,18 +232,23 @@ class Speculator:
         self.proposer = _proposer(args, worker)
         self.kv, self.context_len, self.eos_ids = kv, context_len, eos_ids
         self.drafts: list[list[int]] = []  # per row of the step in flight ([] for none)
-        self.locs: list[list[int]] = []  # their slots
+        self.slots: list[list[int]] = []  # their slots
         self.cost = StepCost()
 
     @property
     def enabled(self) -> bool:
         return self.proposer is not None
 
+    @property
+    def worker_drafts(self) -> bool:
+        """Whether the step in flight asks the worker's draft model for its drafts."""
+        return bool(self.slots) and self.proposer.worker_drafts
+
     def draft(self, running: list[Req]) -> tuple[list[list[int]], list[list[int]]]:
         """This step's drafts and their slots ([] and [] for none), when the budget
         holds them after the running requests' own slots and they pay for the verify
-        step (`StepCost`)."""
-        self.drafts, self.locs = [], []
+        step (`StepCost`); asking the worker for them, the drafts are empty."""
+        self.drafts, self.slots = [], []
         if self.proposer is None:
             return [], []
         drafts = self.proposer.drafts(running, self.context_len)
@@ -254,10 +259,10 @@ class Speculator:
             return [], []
         it = iter(self.kv.alloc(n))
         self.drafts = drafts
-        self.locs = [[next(it) for _ in d] for d in drafts]
+        self.slots = [[next(it) for _ in d] for d in drafts]
         if self.proposer.worker_drafts:  # slots alone: the worker's draft model fills them
-            return [[] for _ in drafts], self.locs
-        return self.drafts, self.locs
+            return [[] for _ in drafts], self.slots
+        return self.drafts, self.slots
 
     def _pays(self, running: list[Req], drafts: list[list[int]]) -> bool:
         """Whether the step's drafts pay for its verify step (`StepCost`). Always, when a
@@ -291,8 +296,8 @@ class Speculator:
             req.check_finished(self.eos_ids)
             if req.finish_reason is not None:
                 break
-        locs = self.locs[row]
-        self.kv.keep_draft_slots(req, locs[: n - 1], locs[n - 1 :])
+        slots = self.slots[row]
+        self.kv.keep_draft_slots(req, slots[: n - 1], slots[n - 1 :])
         return True
 
     def _proposed(self, result: StepResult, row: int) -> list[int]:
@@ -300,7 +305,7 @@ class Speculator:
         reply lacks them: then every draft slot is freed)."""
         if not self.proposer.worker_drafts:
             return self.drafts[row]
-        return result.drafts[row] if result.drafts is not None else []
+        return result.proposed[row] if result.proposed is not None else []
 
     def observe(self, req: Req, result: StepResult, row: int, first: int) -> None:
         """Tell the proposer what a row's step did; `first` is the first token it made."""
@@ -308,18 +313,18 @@ class Speculator:
             return
         drafted = len(self.drafts[row]) if self.drafts else 0
         kept = result.accepted[row] if drafted and result.accepted else 0
-        guess = result.drafts[row] if result.drafts is not None else None
+        guess = result.guesses[row] if result.guesses is not None else None
         self.proposer.observe(req, drafted, kept, first, guess)
 
     def end_step(self, result: StepResult | None = None) -> None:
         """The step in flight is over: its `result`, or None when it failed (then its
         draft slots are freed; after a result, every drafting row kept or freed its own)."""
         if result is None:
-            self.kv.allocator.free([s for locs in self.locs for s in locs])
+            self.kv.allocator.free([s for row in self.slots for s in row])
         elif self.proposer is not None:
             columns = 1 + max((len(d) for d in self.drafts), default=0)
             self.cost.record(len(result.rids), columns, result.step_seconds)
-        self.drafts, self.locs = [], []
+        self.drafts, self.slots = [], []
 
     def forget(self, rid: str) -> None:
         if self.proposer is not None:

@@ -351,11 +351,11 @@ class ScriptedWorker:
         self._check_fresh(msg.out_cache_loc, fresh, where)
         drafts = msg.drafts or [[] for _ in msg.rids]
         if len(drafts) != len(msg.rids) or [len(d) for d in drafts] != [
-            len(locs) for locs in (msg.draft_cache_loc or [[] for _ in msg.rids])
+            len(locs) for locs in (msg.draft_slots or [[] for _ in msg.rids])
         ]:
             self._bad(f"{where}: drafts and their slots do not match the rows")
             drafts = [[] for _ in msg.rids]
-        draft_locs = msg.draft_cache_loc or [[] for _ in msg.rids]
+        draft_locs = msg.draft_slots or [[] for _ in msg.rids]
         for locs in draft_locs:
             self._check_fresh(locs, fresh, where)
         toks: list[int] = []

@@ -190,11 +190,11 @@ def test_decode_buffer_attends_and_flushes_the_stored_values(small_model, kv_dty
         row, cols = buffer.columns(rid)
         seen[rid] = [
             (k[row, :, cols.start : cols.stop], v[row, :, cols.start : cols.stop])
-            for k, v in zip(buffer.keys, buffer.values)
+            for k, v in zip(buffer.kv.keys, buffer.kv.values)
         ]
         for k, _ in seen[rid]:  # a cast's round trip is exact; a quantized one's is not
             assert codec.quantized or mx.array_equal(codec.round_trip(k), k).item()
-        for layer, parts in enumerate(buffer.parts):
+        for layer, parts in enumerate(buffer.quantized.parts if buffer.quantized else []):
             stored = [p[row, :, cols.start : cols.stop] for p in parts]
             assert mx.array_equal(h.pool.decode(stored)[0], seen[rid][layer][0]).item()
     h.release([ReleaseReq(rid, flush=True) for rid in prompts])

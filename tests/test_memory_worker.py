@@ -62,7 +62,7 @@ def test_a_step_the_guard_refuses_is_a_503_and_the_runner_goes_on(tiny_model):
     assert isinstance(reply, WorkerError) and reply.out_of_memory
     assert reply.step == 1 and reply.message.startswith("out of memory computing this step")
     assert "--max-memory" in reply.message
-    assert "r" not in runner.reqs and runner.buffer is None
+    assert "r" not in runner.decodings and runner.buffer is None
     # room again: the same request runs, exactly as mlx-lm generates it
     guard = _guard(figures, 1 << 30)
     out = execute(runner, ExtendBatch(2, [dataclasses.replace(req)]), guard=guard)

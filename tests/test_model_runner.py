@@ -87,11 +87,18 @@ class Harness:
         self, path: str, num_slots: int = N_SLOTS, seed: int = 0, compile_decode: bool = True,
         kv_cache_dtype: str = "auto", **modes,
     ):  # fmt: skip
-        """`modes`: the runner's other constructor arguments (pipeline_stage, drafter,
-        grammars, prefill_step, ...), chosen once as the loader chooses them."""
+        """`modes`: the runner's other constructor arguments (pipeline_stage, grammars,
+        prefill_step, ...), chosen once as the loader chooses them. `proposer`: the
+        Verifier's (speculation.py), which wraps a runner that verifies drafts as the
+        loader's does (default: the scheduler's drafts, in the descriptor); `worker` is
+        then the Verifier, else the runner."""
         from worker_mlx.kv_pool import MlxKVPool
         from worker_mlx.model_probe import probe_kv_layout
         from worker_mlx.model_runner import ModelRunner
+        from worker_mlx.proposer import SchedulerDrafts
+        from worker_mlx.speculation import Verifier
+
+        proposer = modes.pop("proposer", None) or SchedulerDrafts()
 
         model, _ = load_model(path)
         self.path = path
@@ -103,6 +110,9 @@ class Harness:
             model, self.pool, self.vocab, seed=seed, compile_decode=compile_decode,
             **self.runner_modes(model), **modes,
         )  # fmt: skip
+        self.worker = self.runner
+        if self.runner.verifies_drafts:
+            self.worker = Verifier(self.runner, proposer)
         self.alloc = SlotAllocator(num_slots)
         self.slots: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -141,7 +151,7 @@ class Harness:
 
     def extend(self, reqs: list[ExtendReq], release: list[ReleaseReq] = ()) -> None:
         self.step += 1
-        res = self.runner.extend(ExtendBatch(self.step, reqs, list(release)))
+        res = self.worker.extend(ExtendBatch(self.step, reqs, list(release)))
         assert res.rids == [r.rid for r in reqs if r.last_chunk]
         assert len(res.next_token_ids) == len(res.rids)
         self._gone(release)
@@ -160,7 +170,7 @@ class Harness:
         rids = [r for r in self.running if r not in gone] if rids is None else rids
         locs = self.alloc.alloc(len(rids))
         self.step += 1
-        res = self.runner.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
+        res = self.worker.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
         assert res.rids == rids
         self._gone(release)
         self._record_top(res)
@@ -171,7 +181,7 @@ class Harness:
             self.out[rid].append(tok)
 
     def release(self, release: list[ReleaseReq]) -> None:
-        self.runner.release(release)
+        self.worker.release(release)
         self._gone(release)
 
     def _gone(self, release: list[ReleaseReq]) -> None:
@@ -825,7 +835,7 @@ def test_bad_descriptors_raise_and_leave_runner_usable(tiny_model):
         good = ExtendReq("good", [4, 5], [], [203, 204], greedy())
         with pytest.raises(ValueError, match=message):
             h.runner.extend(ExtendBatch(99, [good, ExtendReq(**fields)]))
-        assert "bad" not in h.runner.reqs and "good" not in h.runner.reqs
+        assert "bad" not in h.runner.decodings and "good" not in h.runner.decodings
 
     bad_extend("slot id outside the pool", out_cache_loc=[200, 0, 202])
     bad_extend("slot id outside the pool", out_cache_loc=[200, 201, 257])
@@ -860,10 +870,10 @@ def test_every_layer_cache_follows_the_cache_protocol(tiny_model):
     """Probe, extend and decode-step caches are what mlx-lm layers call: one protocol."""
     import mlx.core as mx
 
+    from worker_mlx.extend_pass import ExtendPlan
     from worker_mlx.kv_pool import MlxKVPool
     from worker_mlx.layer_caches import LayerCache, ProbeCache, StepCache, StepColumns
     from worker_mlx.model_probe import probe_kv_layout
-    from worker_mlx.prefill import ExtendPlan
 
     pool = MlxKVPool(probe_kv_layout(load_model(tiny_model)[0]), 16)
     extend = ExtendPlan(pool, [[1, 2]], [3], [[3, 4, 5]]).layer_caches()
@@ -893,7 +903,7 @@ def test_a_failed_one_token_extend_leaves_no_request_behind(tiny_model, monkeypa
         patched.setattr(DecodeBuffer, "step", _failing_step)  # the step cannot run
         with pytest.raises(RuntimeError, match="step failed"):
             h.runner.extend(ExtendBatch(99, [req]))
-    assert "A2" not in h.runner.reqs
+    assert "A2" not in h.runner.decodings
     h.extend([req])
     for _ in range(DECODE_STEPS - 1):
         h.decode()

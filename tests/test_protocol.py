@@ -174,6 +174,21 @@ EXAMPLES: dict[type, list] = {
     DecodeBatch: [
         DecodeBatch(step=6, rids=["a", "b"], out_cache_loc=[10, 11], release=RELEASES[:1]),
         DecodeBatch(step=7, rids=[], out_cache_loc=[]),
+        DecodeBatch(  # the scheduler's n-gram drafts
+            step=8,
+            rids=["a", "b"],
+            out_cache_loc=[10, 11],
+            drafts=[[3, 4], []],
+            draft_slots=[[12, 13], []],
+        ),
+        DecodeBatch(  # the worker's draft model asked for the drafts
+            step=9,
+            rids=["a", "b"],
+            out_cache_loc=[10, 11],
+            drafts=[[], []],
+            draft_slots=[[12, 13], []],
+            worker_drafts=True,
+        ),
     ],
     ReleaseBatch: [ReleaseBatch(step=8, release=RELEASES), ReleaseBatch(step=9, release=[])],
     StepResult: [
@@ -185,6 +200,14 @@ EXAMPLES: dict[type, list] = {
             top_logprobs=TOP_LOGPROBS,
         ),
         StepResult(step=4, rids=["a"], next_token_ids=[7]),
+        StepResult(  # a worker_drafts step: proposals for a, the draft's guess for b
+            step=9,
+            rids=["a", "b"],
+            next_token_ids=[7, 8],
+            accepted=[1, 0],
+            proposed=[[3, 4], []],
+            guesses=[None, 8],
+        ),
     ],
     WorkerReady: [
         WorkerReady(

@@ -22,6 +22,7 @@ from common.messages import (
     ReleaseReq,
     SamplingParams,
 )
+from radix_mlx.protocol import PROTOCOL_VERSION
 from tests.scripted_worker import (
     VOCAB,
     ReqSpec,
@@ -289,11 +290,19 @@ def test_garbage_frames_from_router(make_harness):
     rng = random.Random(7)
     h.submit("g0", toks(rng, 10), 30)
     h.run_until(lambda: h.worker.counts["decode"] > 0, 5, "decoding")
-    h.send_raw(msgpack.packb({"type": "GenerateReq", "v": 1, "rid": "bad"}))
+    h.send_raw(msgpack.packb({"type": "GenerateReq", "v": PROTOCOL_VERSION, "rid": "bad"}))
     h.send_raw(b"\xc1 not msgpack")  # no rid: logged and dropped
-    h.send_raw(msgpack.packb({"type": "GenerateReq", "v": 1, "rid": "bad2", "input_ids": "x"}))
+    h.send_raw(
+        msgpack.packb(
+            {"type": "GenerateReq", "v": PROTOCOL_VERSION, "rid": "bad2", "input_ids": "x"}
+        )
+    )
     h.send_raw(msgpack.packb({"type": "GenerateReq", "v": 99, "rid": "bad3"}))
-    h.send_raw(msgpack.packb({"type": "TokenOutBatch", "v": 1, "rid": "bad4", "outputs": []}))
+    h.send_raw(
+        msgpack.packb(
+            {"type": "TokenOutBatch", "v": PROTOCOL_VERSION, "rid": "bad4", "outputs": []}
+        )
+    )
     h.send_raw(msgpack.packb([1, 2, 3]))
     h.run_until(lambda: len(h.other_errors) == 4, 5, "ReqErrors for the bad frames")
     assert "missing field" in h.other_errors["bad"].message

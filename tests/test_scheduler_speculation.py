@@ -102,16 +102,16 @@ def test_draft_model_rows_draft_after_their_guesses_hit_and_stop_when_drafts_fai
     reqs = [row, pen, short]
     assert spec.drafts(reqs, 4096) == [[], [], []]  # in shadow at first
     for r in reqs:
-        spec.observe(r, 0, 0, 7, [8])  # the draft guessed 8, the model made 7
+        spec.observe(r, 0, 0, 7, 8)  # the draft guessed 8, the model made 7
     for _ in range(SHADOW_HITS):
         assert spec.drafts(reqs, 4096) == [[], [], []]
         for r in reqs:
-            spec.observe(r, 0, 0, 7, [7])
+            spec.observe(r, 0, 0, 7, 7)
     assert [len(d) for d in spec.drafts(reqs, 4096)] == [4, 0, 2]  # slots only, in room
     assert [len(d) for d in spec.drafts([row], 6)] == [2]  # the context's end
     assert spec.active([row])
     for step in range(WINDOW):  # one draft in four kept: below LOW_ACCEPTANCE
-        spec.observe(row, 4, 1 if step == 0 else 0, 0, [9, 9, 9, 9])
+        spec.observe(row, 4, 1 if step == 0 else 0, 0)
     assert spec.drafts([row], 4096) == [[]] and not spec.active([row])
 
 

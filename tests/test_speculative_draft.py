@@ -61,7 +61,7 @@ def harness_with_draft(target: str, draft: str, seed: int = 0) -> tuple[Harness,
     model, _ = load_model(draft)
     pool = MlxKVPool(probe_kv_layout(model), N_SLOTS)
     drafter = DraftModel(ModelRunner(model, pool, vocab_size(target), compile_decode=True))
-    h = Harness(target, seed=seed, drafter=drafter)
+    h = Harness(target, seed=seed, proposer=drafter)
     return h, DraftView(h, model, pool)
 
 
@@ -72,17 +72,20 @@ def draft_decode(h: Harness, k: dict[str, int]):
     locs = h.alloc.alloc(len(rids))
     dl = [h.alloc.alloc(k.get(rid, 0)) for rid in rids]
     h.step += 1
+    drafting = any(dl)
     batch = DecodeBatch(
-        h.step, rids, locs, drafts=[[] for _ in rids], draft_cache_loc=dl, lookahead=True
-    )
-    res = h.runner.decode(batch)
-    h.runner.run_ahead()  # as the worker does after each reply
-    assert res.rids == rids and res.drafts is not None
+        h.step, rids, locs, drafts=[[] for _ in rids] if drafting else [],
+        draft_slots=dl if drafting else [], lookahead=True, worker_drafts=drafting,
+    )  # fmt: skip
+    res = h.worker.decode(batch)
+    h.worker.run_ahead()  # as the worker does after each reply
+    assert res.rids == rids and res.guesses is not None and len(res.guesses) == len(rids)
+    assert (res.proposed is not None) == drafting
     accepted = res.accepted or [0] * len(rids)
     for i, rid in enumerate(rids):
-        d, a = res.drafts[i], accepted[i]
-        assert len(d) == (len(dl[i]) or 1) and 0 <= a <= len(dl[i])  # or the draft's guess
-        d = d[: len(dl[i])]
+        d, a = res.proposed[i] if drafting else [], accepted[i]
+        assert len(d) == len(dl[i]) and 0 <= a <= len(dl[i])
+        assert (res.guesses[i] is None) == bool(dl[i])  # a guess for a row without drafts
         h.slots[rid] += [locs[i]] + dl[i][:a]
         h.tokens[rid] += [h.out[rid][-1]] + d[:a]
         h.out[rid] += d[:a] + [res.next_token_ids[i]]
@@ -101,7 +104,7 @@ def test_draft_model_steps_match_mlx_lm(tiny_model, one_layer_draft, whole):
     for step in range(14):
         if step == 4:  # a turn on r0's output so far: a prefix hit on generated tokens
             n = len(h.slots["r0"])
-            h.runner.flush()
+            h.runner.ledger.flush()
             tail = random_prompt(rng, 5, h.vocab)
             prompts["hit"] = h.tokens["r0"] + tail
             want["hit"] = reference(h.path, prompts["hit"], 40)
@@ -138,7 +141,7 @@ def test_guesses_and_steps_computed_ahead(tiny_model):
         res = draft_decode(h, {"a": 2} if step % 4 == 3 else {})
         for i, rid in enumerate(res.rids):
             if not res.accepted:
-                assert res.drafts[i] == [res.next_token_ids[i]], (step, rid)
+                assert res.guesses[i] == res.next_token_ids[i], (step, rid)
                 guessed += 1
     assert guessed > 20
     h.release([ReleaseReq(rid, flush=True) for rid in ("a", "late")])
@@ -269,14 +272,17 @@ def test_bad_draft_descriptors_get_a_clear_error_and_the_requests_go_on(
     want = reference(h.path, prompt, 12)
     h.extend([h.ereq("a", prompt, sampling=greedy(64))])
     cases = [
-        ([[5]], [h.alloc.alloc(1)], "send slots, no tokens"),
-        ([[]], [h.alloc.alloc(17)], "at most 16"),
-        ([[]], [[h.pool.num_slots + 1]], "outside the pool"),
+        ([[5]], [h.alloc.alloc(1)], False, "send slots, no tokens"),
+        ([[5]], [h.alloc.alloc(1)], True, "worker_drafts: send slots, no tokens"),
+        ([[]], [h.alloc.alloc(17)], True, "at most 16"),
+        ([[]], [[h.pool.num_slots + 1]], True, "outside the pool"),
     ]
-    for drafts, locs, message in cases:
-        batch = DecodeBatch(99, ["a"], h.alloc.alloc(1), drafts=drafts, draft_cache_loc=locs)
+    for drafts, locs, asked, message in cases:
+        batch = DecodeBatch(
+            99, ["a"], h.alloc.alloc(1), drafts=drafts, draft_slots=locs, worker_drafts=asked
+        )
         with pytest.raises(ValueError, match=message):
-            h.runner.decode(batch)
+            h.worker.decode(batch)
     for _ in range(4):
         draft_decode(h, {"a": 3})
     assert h.out["a"] == want[: len(h.out["a"])]

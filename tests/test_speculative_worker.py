@@ -25,9 +25,9 @@ def verify_decode(h: Harness, drafts: dict[str, list[int]]):
     dl = [h.alloc.alloc(len(drafts.get(rid, []))) for rid in rids]
     h.step += 1
     batch = DecodeBatch(
-        h.step, rids, locs, drafts=[drafts.get(rid, []) for rid in rids], draft_cache_loc=dl
+        h.step, rids, locs, drafts=[drafts.get(rid, []) for rid in rids], draft_slots=dl
     )
-    res = h.runner.decode(batch)
+    res = h.worker.decode(batch)
     assert res.rids == rids
     for i, rid in enumerate(rids):
         d, a = batch.drafts[i], res.accepted[i] if res.accepted else 0

@@ -1,6 +1,7 @@
 """The worker's structure, checked on its source: no import circle in worker_mlx/
-(function-level and TYPE_CHECKING imports count), and modes chosen at construction (no
-attribute of a runner assigned from outside it)."""
+(function-level and TYPE_CHECKING imports count), modes chosen at construction (no
+attribute of a runner assigned from outside it), no function over 60 lines, and one
+owner of a request's slot list."""
 
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ def _names_a_runner(node: ast.expr) -> bool:
     return isinstance(node, ast.Attribute) and node.attr.endswith("runner")
 
 
+def _assigned_attributes(tree: ast.AST):
+    """(line, the expression whose attribute is assigned, the attribute) of every
+    `x.attr = ...`, `x.attr += ...` and `setattr(x, "attr", ...)` in `tree`."""
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                yield node.lineno, node.args[0], node.args[1].value
+        for t in targets:
+            if isinstance(t, ast.Attribute):
+                yield node.lineno, t.value, t.attr
+
+
 def test_no_runner_attribute_is_assigned_from_outside():
     """Modes are constructor arguments: code outside model_runner.py never writes
     `runner.<attribute> = ...` (tests and benchmarks included)."""
@@ -30,16 +48,43 @@ def test_no_runner_attribute_is_assigned_from_outside():
     for path, tree in _sources("worker_mlx", "tests", "benchmarks"):
         if path.name == "model_runner.py":
             continue
-        for node in ast.walk(tree):
-            targets = []
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets = [node.target]
-            for t in targets:
-                if isinstance(t, ast.Attribute) and _names_a_runner(t.value):
-                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{t.attr}")
+        for line, owner, attr in _assigned_attributes(tree):
+            if _names_a_runner(owner):
+                found.append(f"{path.relative_to(ROOT)}:{line}: .{attr}")
     assert not found, "runner attributes assigned from outside:\n" + "\n".join(found)
+
+
+def test_the_checks_find_what_they_look_for():
+    tree = ast.parse("runner.mode = 1\nself.runner.x += 2\nsetattr(runner, 'y', 3)\nr.z = 4")
+    found = [(attr, _names_a_runner(owner)) for _, owner, attr in _assigned_attributes(tree)]
+    assert sorted(found) == [("mode", True), ("x", True), ("y", True), ("z", False)]
+    assert _long_functions(ast.parse("def f():\n" + "    pass\n" * 60)) == [("f", 61)]
+    assert _long_functions(ast.parse("def f():\n" + "    pass\n" * 59)) == []
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def _long_functions(tree: ast.AST) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method in `tree` longer than the limit, from
+    its `def` (or first decorator) to its last line."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            lines = node.end_lineno - first + 1
+            if lines > MAX_FUNCTION_LINES:
+                out.append((node.name, lines))
+    return out
+
+
+def test_no_function_in_the_worker_is_over_60_lines():
+    found = [
+        f"{path.relative_to(ROOT)}: {name} ({lines} lines)"
+        for path, tree in _sources("worker_mlx")
+        for name, lines in _long_functions(tree)
+    ]
+    assert not found, "functions over 60 lines:\n" + "\n".join(found)
 
 
 def _module_name(path: Path) -> str:
@@ -131,3 +176,28 @@ def test_only_the_ledger_changes_a_requests_slot_list():
             if isinstance(target, ast.Attribute) and target.attr == "slots":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, "slot lists changed outside the ledger: " + ", ".join(found)
+
+
+def test_only_the_ledger_builds_the_decode_buffer_and_changes_its_rows():
+    """The buffer is built, seated, dropped from and flushed by the KV ledger alone (its
+    flush rule then holds for every caller); others step it and read it."""
+    owned = {"DecodeBuffer", "seat", "drop", "flush", "reseat"}
+    found = []
+    for path, tree in _sources("worker_mlx"):
+        if path.name in ("kv_ledger.py", "decode_buffer.py"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name not in owned:
+                continue
+            owner = func.value if isinstance(func, ast.Attribute) else None
+            # the ledger's own flush, called through it, is the rule itself
+            if isinstance(owner, ast.Attribute) and owner.attr == "ledger":
+                continue
+            if name == "reseat" and path.name == "lookahead.py":  # the kept buffer's rewind
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    assert not found, "the decode buffer changed outside the ledger:\n" + "\n".join(found)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -93,6 +94,10 @@ def grouped(caches: list, groups: tuple[int, ...]) -> list:
     return out
 
 
+class StaleRead(RuntimeError):
+    """The pool was read before the decode KV the KVLedger holds back was flushed."""
+
+
 class MlxKVPool:
     """Per layer, K and V of shape (num_slots + 1, n_kv_heads, width); row 0 is padding.
     Stored as the layout's codec says (`kv_codec`: the model's dtype, a cast, or mlx-lm's
@@ -117,6 +122,13 @@ class MlxKVPool:
             for layer in range(layout.num_layers)
         ]
         mx.eval(self.parts)
+        self._unflushed: Callable[[], int] = lambda: 0
+
+    def check_reads(self, unflushed: Callable[[], int]) -> None:
+        """From now on a read raises StaleRead while `unflushed()` (the KVLedger's count
+        of decode tokens not written here yet) is not 0: it would read slots that hold
+        nothing yet (the deferred flush's failure mode, zeros read as KV)."""
+        self._unflushed = unflushed
 
     def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
         """The parts the pool stores for K/V of any leading shape."""
@@ -138,7 +150,8 @@ class MlxKVPool:
             stored[slots] = part
 
     def gather(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        """K and V of `slots` (any shape S) as arrays of shape S + (H, D)."""
+        """K and V of `slots` (any shape S) as arrays of shape S + (H, D), as they are
+        now: an inspection (tests), which the flush rule does not check."""
         return self.decode([p[slots] for p in self.parts[layer]])
 
     def head_index(self, slots: mx.array) -> mx.array:
@@ -152,6 +165,7 @@ class MlxKVPool:
 
     def gather_parts(self, layer: int, head_idx: mx.array) -> list[mx.array]:
         """The stored parts as (B, H, S, width) for indices from `head_index`."""
+        self._check_read()
         return [p.reshape(-1, p.shape[-1])[head_idx] for p in self.parts[layer]]
 
     def gather_heads(self, layer: int, head_idx: mx.array) -> tuple[mx.array, mx.array]:
@@ -160,6 +174,10 @@ class MlxKVPool:
 
     def arrays(self) -> list[mx.array]:
         return [p for layer in self.parts for p in layer]
+
+    def _check_read(self) -> None:
+        if n := self._unflushed():
+            raise StaleRead(f"the pool read while {n} decode tokens a row are not flushed")
 
 
 def pool_size(layout: KVLayout, mem_fraction: float, budget: int, extra_per_slot: int = 0) -> int:

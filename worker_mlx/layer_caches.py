@@ -30,7 +30,7 @@ from worker_mlx.kv_codec import decode_kv, encode_kv
 
 
 class PassPlan(Protocol):
-    """What an extend pass's layer caches read of its plan (prefill.ExtendPlan, which
+    """What an extend pass's layer caches read of its plan (extend_pass.ExtendPlan, which
     imports this module: the plan builds the caches, the caches only read it)."""
 
     pool: Any  # the MlxKVPool the pass writes and reads

@@ -20,7 +20,9 @@ from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
 from worker_mlx.model_probe import UnsupportedModel, probe_layout
 from worker_mlx.model_runner import ModelRunner, verifies_drafts
+from worker_mlx.proposer import SchedulerDrafts
 from worker_mlx.self_check import batched_path_works, choose_batching
+from worker_mlx.speculation import Verifier
 from worker_mlx.state_pool import StateLayout, StatePool, state_slots
 
 logger = logging.getLogger("worker")
@@ -28,9 +30,12 @@ logger = logging.getLogger("worker")
 
 def load_runner(
     args: ServerArgs, blas: str, rank: Rank | None = None
-) -> tuple[ModelRunner, WorkerReady]:
-    """`rank`: this process's place in a distributed worker (None: the worker is one
-    process); the model is cut to its share and the pool holds that share."""
+) -> tuple[ModelRunner | Verifier, WorkerReady]:
+    """The worker's engine: the runner, or a Verifier around it for a model that can
+    verify drafts (with the draft model of --speculative-algorithm draft as its proposer,
+    else the scheduler's n-gram drafts). `rank`: this process's place in a distributed
+    worker (None: the worker is one process); the model is cut to its share and the pool
+    holds that share."""
     backend = select(cpu_kernels=not args.disable_cpu_kernels)
     logger.info("backend %s; BLAS: %s", backend.describe(), blas)
     processes = args.dp_size * (rank.spec.ranks_on_host if rank is not None else 1)
@@ -58,32 +63,25 @@ def load_runner(
     stage = rank is not None and rank.spec.pp > 1
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
-    drafter = None
+    proposer = SchedulerDrafts()
     if draft is not None:
         path = args.speculative_draft_model_path
-        drafter = _drafter(path, pool, batched, vocab_size, step, compiled, *draft)
+        proposer = _drafter(path, pool, batched, vocab_size, step, compiled, *draft) or proposer
     held = memory.report(total, figures, on_cpu)
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
-        grammars=grammars, states=states, pad_prefill=pad, pipeline_stage=stage,
-        drafter=drafter, memory=held,
+        grammars=grammars, states=states, pad_prefill=pad, pipeline_stage=stage, memory=held,
     )  # fmt: skip
+    engine = Verifier(runner, proposer) if runner.verifies_drafts else runner
     ready = WorkerReady(
-        num_slots=pool.num_slots,
-        model_type=model_type,
-        num_layers=layout.num_layers,
-        n_kv_heads=layout.n_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=str(layout.dtype).rsplit(".", 1)[-1],
-        context_len=context_len,
-        vocab_size=vocab_size,
-        eos_token_ids=sorted(tokenizer.eos_token_ids),
-        blas=blas,
+        num_slots=pool.num_slots, model_type=model_type, num_layers=layout.num_layers,
+        n_kv_heads=layout.n_kv_heads, head_dim=layout.head_dim,
+        dtype=str(layout.dtype).rsplit(".", 1)[-1], context_len=context_len,
+        vocab_size=vocab_size, eos_token_ids=sorted(tokenizer.eos_token_ids), blas=blas,
         num_state_slots=states.num_slots if states is not None else 0,
-        verifies_drafts=runner.verifies_drafts,
-        memory=memory.for_scheduler(held),
-    )
-    return runner, ready
+        verifies_drafts=runner.verifies_drafts, memory=memory.for_scheduler(held),
+    )  # fmt: skip
+    return engine, ready
 
 
 def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:

@@ -11,7 +11,9 @@ Two bets, at most one at a time:
   so the same prompt sent again runs its one-token step there without a gather.
 
 The descriptor that was bet on takes the bet (`take_step`, `take_buffer`); every other
-descriptor calls `invalidate()`, which undoes the step's column and forgets the buffer.
+descriptor calls `invalidate()` (the KVLedger does, before any flush), which takes the
+step's column back and forgets the buffer. Undoing a step and rewinding a kept buffer
+to the prompt are this file's: the buffer only moves its columns as told.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class _Step:
     buffer: DecodeBuffer
     rids: list[str]
     tokens: mx.array
+    column: int  # the column the step wrote
+    state: list[list[mx.array]]  # the recurrent states before it
 
 
 @dataclass
@@ -46,9 +50,11 @@ class Lookahead:
         """After a decode: the next step of `rids` is to be computed ahead (None: not)."""
         self.next_step = rids
 
-    def computed_step(self, buffer: DecodeBuffer, rids: list[str], tokens: mx.array) -> None:
-        """The step of `rids` was computed ahead on `buffer` (its column written)."""
-        self.bet = _Step(buffer, rids, tokens)
+    def step_ahead(self, buffer: DecodeBuffer, rids: list[str], compute) -> None:
+        """Compute the step of `rids` ahead on `buffer`: `compute()` writes its column and
+        returns its tokens."""
+        column = buffer.idx
+        self.bet = _Step(buffer, rids, compute(), column, buffer.recurrent.state)
 
     def keep(self, buffer: DecodeBuffer, slots: list[int]) -> None:
         """Keep the finished single row's buffer for the next descriptor."""
@@ -59,32 +65,34 @@ class Lookahead:
     def has_step(self) -> bool:
         return isinstance(self.bet, _Step)
 
-    def take_step(self, batch: DecodeBatch) -> list[int] | None:
+    def take_step(self, batch: DecodeBatch) -> mx.array | None:
         """The tokens computed ahead if `batch` is exactly that step; otherwise invalidate."""
         bet = self.bet
         if (
             isinstance(bet, _Step)
             and not batch.release
-            and not any(batch.draft_cache_loc)
+            and not any(batch.draft_slots)
             and batch.rids == bet.rids
         ):
             self.bet = self.next_step = None
-            return bet.tokens.tolist()
+            return bet.tokens
         self.invalidate()
         return None
 
-    def take_buffer(self, prefixes: list[list[int]]) -> DecodeBuffer | None:
-        """The kept buffer if it holds the one prefix in `prefixes`; otherwise invalidate."""
+    def take_buffer(self, rids: list[str], prefixes: list[list[int]]) -> DecodeBuffer | None:
+        """The kept buffer, rewound to the end of the one prefix in `prefixes` and seating
+        `rids`' one request, if it holds that prefix; otherwise invalidate."""
         bet = self.bet
         if isinstance(bet, _Kept) and len(prefixes) == 1:
             prefix = prefixes[0]
             if 0 < len(prefix) <= len(bet.slots) and bet.slots[: len(prefix)] == prefix:
                 self.bet = self.next_step = None
+                bet.buffer.reseat(rids[0], len(prefix))
                 return bet.buffer
         self.invalidate()
         return None
 
     def invalidate(self) -> None:
         if isinstance(self.bet, _Step):
-            self.bet.buffer.unstep()
+            self.bet.buffer.take_back(self.bet.column, self.bet.state)
         self.bet = self.next_step = None

@@ -175,7 +175,9 @@ class StepGuard:
             rows = [(len(r.prefix_slot_ids), len(r.input_ids)) for r in msg.reqs]
             need = self.math.extend_bytes(rows)
         else:
-            lens = [len(runner.ledger.slots(rid)) + 1 for rid in msg.rids if rid in runner.reqs]
+            lens = [
+                len(runner.ledger.slots(rid)) + 1 for rid in msg.rids if rid in runner.decodings
+            ]
             held = runner.buffer.nbytes() if runner.buffer is not None else 0
             need = max(self.math.decode_bytes(lens) - held, 0)
         active = mx.get_active_memory()

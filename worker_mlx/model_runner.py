@@ -1,33 +1,31 @@
 """ModelRunner: executes the scheduler's extend and decode descriptors on one mlx-lm model.
 
-It owns the request states (`ReqState`, request_state.py: each request's sampling state
-and last token), the KV ledger (kv_ledger.py: each request's slots), the decode buffer
-and the lookahead; the pool holds the rest. Where a request's KV is at any moment is
-`kv_location`. Descriptors are checked against the pool bounds, not trusted.
+It owns each decoding request's `Decoding` (decoding.py: its sampling state and last
+token) and the KV ledger (kv_ledger.py: where each request's KV is, the decode
+buffer and its rows, the deferred flush and the lookahead's bets). Where a request's KV
+is at any moment is `kv_location`. Descriptors are checked against the pool bounds, not
+trusted.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
-from worker_mlx.decode_buffer import DecodeBuffer
 from worker_mlx.decode_step import DecodeStep
+from worker_mlx.decoding import Decoding, StepOutput, sample_and_record
 from worker_mlx.descriptor_checks import check_extend, check_slots
+from worker_mlx.extend_pass import ExtendPlan, passes
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
-from worker_mlx.lookahead import Lookahead
 from worker_mlx.model_probe import split_lm_head
-from worker_mlx.prefill import ExtendPlan, passes
 from worker_mlx.prompt_logprobs import prompt_logprobs
-from worker_mlx.request_state import ReqState, StepOutput, sample_and_record
 from worker_mlx.sampler import KeySource
 from worker_mlx.state_pool import StatePool
-from worker_mlx.verify import check_drafts, verify_step
+
+NO_DRAFTS = "this model cannot verify drafts (sliding windows or recurrent layers)"
 
 
 def verifies_drafts(batched: bool, layout) -> bool:
@@ -46,15 +44,15 @@ class ModelRunner:
 
     Every mode is chosen here, once: nothing assigns a runner's attribute from outside.
     `pipeline_stage` (--pp-size): evaluate every forward pass whole and alone, so its sends
-    meet the next stage's receives (docs/architecture.md); `drafter`: the DraftModel of
-    --speculative-algorithm draft (the loader's); `memory`: the loader's MemoryReport,
-    what --max-memory allows and holds."""
+    meet the next stage's receives (docs/architecture.md); `memory`: the loader's
+    MemoryReport, what --max-memory allows and holds. Speculation wraps a runner
+    (speculation.Verifier); the runner knows nothing of it."""
 
     def __init__(
         self, model: nn.Module, pool: MlxKVPool, vocab_size: int, seed: int = 0,
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
-        pad_prefill: bool = True, pipeline_stage: bool = False, drafter=None, memory=None,
+        pad_prefill: bool = True, pipeline_stage: bool = False, memory=None,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -64,28 +62,36 @@ class ModelRunner:
         self.batched = batched
         self.prefill_step = prefill_step
         self.keys = KeySource(seed)
-        self.reqs: dict[str, ReqState] = {}
-        self.ledger = KVLedger()  # each decoding request's slots
+        self.decodings: dict[str, Decoding] = {}
+        self.ledger = KVLedger(pool, states)  # where each decoding request's KV is
         self.body, self.head = split_lm_head(model)
         self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
-        self.buffer: DecodeBuffer | None = None
-        self.lookahead = Lookahead()
+        self.lookahead = self.ledger.lookahead
         self.grammars = grammars
         self.verifies_drafts = verifies_drafts(batched, pool.layout)
-        self.pipeline_stage = pipeline_stage
-        self.drafter = drafter
         self.memory = memory
+        # the decode step of this batching mode, and when a pass is evaluated
+        self._step = self._decode_batched if batched else self._decode_solo
+        self._settle = self._settle_stage if pipeline_stage else self._settle_before_read
 
     def kv_location(self, rid: str) -> KVLocation:
         """Where `rid`'s KV is now (a request between its last prefill chunk and release)."""
-        return self.ledger.where(rid, self.buffer)
+        return self.ledger.where(rid)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The engine's runner (worker.serve drives a runner or a Verifier around one)."""
+        return self
+
+    @property
+    def buffer(self):
+        """The decode buffer (the ledger's)."""
+        return self.ledger.buffer
 
     # ------------------------------------------------------------ extend
 
     def extend(self, batch: ExtendBatch) -> StepOutput:
         out = self._extend(batch)
-        if self.drafter is not None:
-            self.drafter.extend(batch)
         if any(r.sampling.prompt_logprobs and r.last_chunk for r in batch.reqs):
             out.prompt_logprobs = prompt_logprobs(self.body, self.head, batch.reqs, out.rids)
         return out
@@ -96,31 +102,34 @@ class ModelRunner:
             self._check_extend(r)
         if self.batched and all(len(r.input_ids) == 1 and r.last_chunk for r in batch.reqs):
             return self._extend_one_token(batch.reqs)
-        self.lookahead.invalidate()
-        self.flush()
+        pool = self.ledger.readable_pool()
         groups = [batch.reqs] if self.batched else [[r] for r in batch.reqs]
         steps = [p for reqs in groups for p in passes(reqs, self.prefill_step, self.pad_prefill)]
-        last_logits, states, order = [], [], []
+        last_logits, decodings, order = [], [], []
         position = {id(r): i for i, r in enumerate(batch.reqs)}
         for n, (pieces, owners) in enumerate(steps):
-            hidden = self._pass(pieces, self.body)
+            hidden = self._pass(pool, pieces, self.body)
             sampled = [i for i, p in enumerate(pieces) if p.last_chunk]
             if sampled:
                 rows = mx.array(sampled, dtype=mx.int32)
                 cols = mx.array([len(pieces[i].input_ids) - 1 for i in sampled], mx.int32)
                 last_logits.append(self.head(hidden[rows, cols]))
-                states += [self._new_state(owners[i]) for i in sampled]
+                decodings += [self._new_decoding(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
-            if n + 1 < len(steps) or self.pipeline_stage:
-                # the next pass reads this KV
-                mx.eval(self._arrays(), last_logits, *([hidden] if self.pipeline_stage else []))
-        if not states:
-            mx.eval(self._arrays())
+            self._settle(hidden, last_logits, last=n + 1 == len(steps))
+        if not decodings:
+            mx.eval(self.ledger.arrays())
             return StepOutput([], [])
         # answer in descriptor order, whichever round each request finished in
         perm = sorted(range(len(order)), key=order.__getitem__)
         logits = mx.concatenate(last_logits)[mx.array(perm)]
-        return self._start_decoding(logits, [states[i] for i in perm], batch.reqs)
+        self._open([r for r in batch.reqs if r.last_chunk])
+        return self._start_decoding(logits, [decodings[i] for i in perm])
+
+    def _open(self, reqs: list[ExtendReq]) -> None:
+        """From now on `reqs` decode, their KV at their prefix and new slots."""
+        for r in reqs:
+            self.ledger.open(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.state_slot)
 
     def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
@@ -128,169 +137,135 @@ class ModelRunner:
         the same requests then keeps using instead of gathering it again. The buffer of
         the request that just sent the same prompt still holds it, so it needs no gather
         (0.5-1 ms of the 6 ms a 2,048-token repeat spends in the worker)."""
-        states = [self._new_state(r) for r in reqs]
-        prefixes = [r.prefix_slot_ids for r in reqs]
-        buffer = self.lookahead.take_buffer(prefixes)
-        if buffer is not None:
-            buffer.rewind(reqs[0].rid, len(prefixes[0]))
-        else:
-            self.flush()
-            rids = [r.rid for r in reqs]
-            buffer = DecodeBuffer(
-                self.pool, rids, prefixes, free_columns=2,  # this step, the next
-                states=self.states, state_slots=[r.state_slot for r in reqs],
-                state_from=[r.prefix_state for r in reqs],
-            )  # fmt: skip
-        self.buffer = buffer
+        decodings = [self._new_decoding(r) for r in reqs]
+        buffer = self.ledger.one_token_rows(reqs)
         logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
-        slots = {r.rid: r.prefix_slot_ids + r.out_cache_loc for r in reqs}
-        buffer.flush(slots.__getitem__)  # in the pool now: another prompt may share this token
+        self._open(reqs)
+        self.ledger.write_pending()  # in the pool now: another prompt may share this token
         self._snapshot(reqs)
-        return self._start_decoding(logits, states, reqs)
+        return self._start_decoding(logits, decodings)
 
-    def _start_decoding(
-        self, logits: mx.array, states: list[ReqState], reqs: list[ExtendReq]
-    ) -> StepOutput:
-        """Sample the extended requests' first tokens; from now on they decode, their KV
-        at their `reqs`' prefix and new slots."""
-        out = sample_and_record(logits, states, self._arrays(), self.grammars)
-        req = {r.rid: r for r in reqs}
-        for s in states:
-            self.reqs[s.rid] = s
-            self.ledger.open(s.rid, req[s.rid].prefix_slot_ids + req[s.rid].out_cache_loc)
+    def _start_decoding(self, logits: mx.array, decodings: list[Decoding]) -> StepOutput:
+        """Sample the extended requests' first tokens (their KV opened in the ledger)."""
+        out = sample_and_record(logits, decodings, self.ledger.arrays(), self.grammars)
+        for s in decodings:
+            self.decodings[s.rid] = s
         return out
 
-    def _pass(self, reqs: list[ExtendReq], forward) -> mx.array:
-        """One prefill pass, `forward(tokens, caches)`, over right-padded rows; the recurrent
-        states it leaves go to the rows' working slots and the snapshots asked for."""
-        plan = ExtendPlan.for_reqs(self.pool, reqs, self.states)
+    def _pass(self, pool, reqs: list[ExtendReq], forward) -> mx.array:
+        """One prefill pass, `forward(tokens, caches)`, over right-padded rows of `pool`
+        (the ledger's `readable_pool`); the recurrent states it leaves go to the rows'
+        working slots and the snapshots asked for."""
+        plan = ExtendPlan.for_reqs(pool, reqs, self.states)
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
         out = forward(tokens, plan.layer_caches())
         plan.store_states()
         self._snapshot(reqs)
         return out
 
+    def _settle_before_read(self, hidden: mx.array, logits: list, last: bool) -> None:
+        """After a pass: evaluated now only if another pass of the step reads its KV."""
+        if not last:
+            mx.eval(self.ledger.arrays(), logits)
+
+    def _settle_stage(self, hidden: mx.array, logits: list, last: bool) -> None:
+        """A pipeline stage's pass is evaluated whole and alone, `hidden` included, so
+        its sends meet the next stage's receives."""
+        mx.eval(self.ledger.arrays(), logits, hidden)
+
     def _snapshot(self, reqs: list[ExtendReq]) -> None:
         """Copy the working states of `reqs` to the snapshot slots they ask for (after the
         whole of their input: `passes` cut pieces where the snapshots are)."""
         pairs = [(r.state_slot, slot) for r in reqs for _, slot in r.snapshots]
         if pairs:
-            self.states.copy(pairs)
-
-    def _arrays(self) -> list[mx.array]:
-        return self.pool.arrays() + (self.states.all() if self.states is not None else [])
+            self.ledger.states.copy(pairs)
 
     def _check_extend(self, r: ExtendReq) -> None:
-        if r.rid in self.reqs:
+        if r.rid in self.decodings:
             raise ValueError(f"{r.rid}: extend for a request that is already decoding")
-        state_slots = self.states.num_slots if self.states is not None else 0
-        check_extend(r, self.pool.num_slots, state_slots, self.vocab_size)
+        check_extend(r, self.pool.num_slots, self.ledger.states.num_slots, self.vocab_size)
 
-    def _new_state(self, r: ExtendReq) -> ReqState:
-        return ReqState.for_extend(r, self.keys, self.grammars)
+    def _new_decoding(self, r: ExtendReq) -> Decoding:
+        return Decoding.for_extend(r, self.keys, self.grammars)
 
     # ------------------------------------------------------------ decode
 
     def decode(self, batch: DecodeBatch) -> StepOutput:
-        if len(batch.out_cache_loc) != len(batch.rids):
-            raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
-        check_slots("decode", batch.out_cache_loc, self.pool.num_slots)
-        worker_drafts = self.drafter is not None
-        drafting = any(batch.draft_cache_loc if worker_drafts else batch.drafts)
-        if drafting:
-            check_drafts(
-                batch, self.vocab_size, self.pool.num_slots, self.verifies_drafts, worker_drafts
-            )
+        """One step of every row of `batch`: the step computed ahead if the lookahead bet
+        on it, else this runner's step (batched or solo, chosen at construction)."""
+        self.check_decode(batch)
         ahead = self.lookahead.take_step(batch)
         self.release(batch.release, keep_buffer=False)  # the decode below changes it
-        unknown = [rid for rid in batch.rids if rid not in self.reqs]
-        if unknown:
-            raise ValueError(f"decode for unknown requests {unknown[:4]}")
-        states = [self.reqs[rid] for rid in batch.rids]
-        if drafting:
-            return self._verify(batch, states)
-        guesses = None
-        if worker_drafts:  # the draft computes the step's tokens too, and guesses
-            guesses = self.drafter.follow(batch, [s.last_token for s in states])
+        decodings = self.decoding(batch.rids)
         if ahead is not None:
-            out = StepOutput(list(batch.rids), ahead)
-            for s, tok in zip(states, ahead):
+            out = StepOutput(list(batch.rids), ahead.tolist())
+            for s, tok in zip(decodings, out.next_token_ids):
                 s.last_token = tok
-        elif self.batched:
-            out = self._decode_batched(batch.rids, states)
         else:
-            out = self._decode_solo(states, batch.out_cache_loc)
-        for rid, loc in zip(batch.rids, batch.out_cache_loc):
-            self.ledger.add(rid, [loc])
-        if guesses is not None:
-            out.drafts = [[g] for g in guesses.tolist()]
+            out = self._step(decodings, batch.out_cache_loc)
+        for rid, slot in zip(batch.rids, batch.out_cache_loc):
+            self.ledger.add(rid, [slot])
         can_look = self.batched and all(
             s.sampling.greedy and s.penalty is None and not s.sampling.logprobs and not s.grammar
-            for s in states
+            for s in decodings
         )
         self.lookahead.expect_step(list(batch.rids) if batch.lookahead and can_look else None)
         return out
 
-    def _verify(self, batch: DecodeBatch, states: list[ReqState]) -> StepOutput:
-        """A step with drafts: the scheduler's, or with a drafter its proposals for the
-        rows with draft slots (a row without gets a guess, reported, not verified). Each
-        row keeps the slots of its input token and of the drafts it accepts."""
-        proposed = None
-        if self.drafter is not None:
-            proposed = self.drafter.propose(batch, [s.last_token for s in states])
-            drafts = [d if locs else [] for d, locs in zip(proposed, batch.draft_cache_loc)]
-            batch = dataclasses.replace(batch, drafts=drafts)
-        buffer = self.buffer_for(list(batch.rids), states)
-        self.flush()  # the step's columns are then the only unflushed ones
-        out = verify_step(buffer, self.decode_step, batch, states, self.grammars)
-        mx.async_eval(buffer.arrays(), self.pool.arrays())
-        kept = zip(batch.rids, batch.out_cache_loc, batch.draft_cache_loc, out.accepted)
-        for rid, loc, locs, a in kept:
-            self.ledger.add(rid, [loc] + locs[:a])
-        if self.drafter is not None:
-            self.drafter.commit(batch, out.accepted)
-            out.drafts = proposed
-        return out
+    def check_decode(self, batch: DecodeBatch) -> None:
+        if len(batch.out_cache_loc) != len(batch.rids):
+            raise ValueError(f"{len(batch.rids)} requests but {len(batch.out_cache_loc)} slots")
+        check_slots("decode", batch.out_cache_loc, self.pool.num_slots)
+        if any(batch.drafts) and not self.verifies_drafts:
+            raise ValueError(
+                "this model cannot verify drafts (sliding windows or recurrent layers)"
+            )
 
-    def _decode_batched(self, rids: list[str], states: list[ReqState]) -> StepOutput:
-        buffer = self.buffer_for(rids, states)
+    def decoding(self, rids: list[str]) -> list[Decoding]:
+        """The Decoding of each of `rids`, which must all be decoding."""
+        unknown = [rid for rid in rids if rid not in self.decodings]
+        if unknown:
+            raise ValueError(f"decode for unknown requests {unknown[:4]}")
+        return [self.decodings[rid] for rid in rids]
+
+    def step_columns(self, rids: list[str], tokens: list[list[int]]) -> mx.array:
+        """Logits (len(rids), S, V) of one step of S columns of the decode buffer, row i
+        taking `tokens[i]` (a speculative step: the caller writes its columns to the pool
+        at its own slots, `KVLedger.write_pending`, the only unflushed ones)."""
+        buffer = self.ledger.rows(rids, flushed=True)
+        blank = [0] * len(tokens[0])
+        of = dict(zip(rids, tokens))
+        grid = [of.get(rid, blank) if rid is not None else blank for rid in buffer.rids]
+        return buffer.step(self.decode_step, mx.array(grid))[mx.array(buffer.rows(rids))]
+
+    def _decode_batched(self, decodings: list[Decoding], slots: list[int]) -> StepOutput:
+        rids = [s.rid for s in decodings]
+        buffer = self.ledger.rows(rids)
         logits = self._buffer_step(buffer.rows(rids))
-        return sample_and_record(logits, states, buffer.arrays(), self.grammars)
+        return sample_and_record(logits, decodings, buffer.arrays(), self.grammars)
 
-    def buffer_for(self, rids: list[str], states: list[ReqState]) -> DecodeBuffer:
-        """The decode buffer with exactly `rids` live: this one, or with rows admitted
-        (their KV flushed first), or rebuilt from the pool."""
-        buffer = self.buffer
-        if buffer is None or not buffer.serves(rids):
-            self.flush()
-            slots = [self.ledger.slots(rid) for rid in rids]
-            homes = [s.state_slot for s in states]
-            if buffer is None or not buffer.admit(rids, slots, homes):
-                buffer = self.buffer = DecodeBuffer(
-                    self.pool, rids, slots, states=self.states, state_slots=homes
-                )
-        return buffer
-
-    def _decode_solo(self, states: list[ReqState], locs: list[int]) -> StepOutput:
+    def _decode_solo(self, decodings: list[Decoding], slots: list[int]) -> StepOutput:
         """The fallback: each request's step is an extend of its last token on the pool."""
         parts = []
-        for s, loc in zip(states, locs):
+        pool = self.ledger.readable_pool()
+        for s, slot in zip(decodings, slots):
+            home = self.ledger.state_slot(s.rid)
             step = ExtendReq(
-                s.rid, [s.last_token], self.ledger.slots(s.rid), [loc], s.sampling,
-                state_slot=s.state_slot, prefix_state=s.state_slot,
+                s.rid, [s.last_token], self.ledger.slots(s.rid), [slot], s.sampling,
+                state_slot=home, prefix_state=home,
             )  # fmt: skip
-            parts.append(self._pass([step], lambda t, c: self.model(t, cache=c))[:, -1, :])
-            if self.pipeline_stage:
-                mx.eval(parts[-1], self._arrays())
+            forward = lambda t, c: self.model(t, cache=c)  # noqa: E731
+            parts.append(self._pass(pool, [step], forward)[:, -1, :])
+            self._settle(parts[-1], [], last=True)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return sample_and_record(logits, states, self._arrays(), self.grammars)
+        return sample_and_record(logits, decodings, self.ledger.arrays(), self.grammars)
 
     def _buffer_step(self, rows: list[int]) -> mx.array:
         """Logits of one step of the decode buffer for its `rows` (the live ones, in the
         scheduler's order); every row's KV is written to the buffer."""
         buffer = self.buffer
         tokens = mx.array(
-            [[self.reqs[rid].last_token if rid is not None else 0] for rid in buffer.rids]
+            [[self.decodings[rid].last_token if rid is not None else 0] for rid in buffer.rids]
         )
         logits = buffer.step(self.decode_step, tokens)
         return logits if rows == list(range(len(buffer.rids))) else logits[mx.array(rows)]
@@ -298,16 +273,18 @@ class ModelRunner:
     def run_ahead(self) -> None:
         """Start the decode step the last descriptor said comes next (called after the reply
         went out, so it computes while the scheduler works)."""
-        if self.drafter is not None:
-            self.drafter.run_ahead(self.reqs)
         rids, buffer = self.lookahead.next_step, self.buffer
         self.lookahead.expect_step(None)
         rows = buffer.rows(rids) if rids is not None and buffer is not None else None
         if rows is None:
             return
-        tokens = mx.argmax(self._buffer_step(rows), axis=-1)
-        mx.async_eval(tokens, buffer.arrays())
-        self.lookahead.computed_step(buffer, rids, tokens)
+
+        def compute() -> mx.array:
+            tokens = mx.argmax(self._buffer_step(rows), axis=-1)
+            mx.async_eval(tokens, buffer.arrays())
+            return tokens
+
+        self.lookahead.step_ahead(buffer, rids, compute)
 
     # ------------------------------------------------------------ release and flush
 
@@ -317,50 +294,13 @@ class ModelRunner:
         same prompt again (see Lookahead)."""
         if not release:
             return
-        if self.drafter is not None:
-            self.drafter.release(release, keep_buffer)
-        self.lookahead.invalidate()
-        self.flush(skip={r.rid for r in release if not r.flush})
-        self._final_snapshots(release)
-        buffer = self.buffer
-        if buffer is not None:
-            finished = {r.rid for r in release if r.flush}
-            # (a recurrent state cannot be rewound to the prompt: no kept buffer then)
-            alone = len(buffer.rids) == 1 and buffer.rids[0] in finished
-            if keep_buffer and alone and self.states is None and not buffer.hole_columns:
-                self.lookahead.keep(buffer, self.ledger.slots(buffer.rids[0]))
-            buffer.drop({r.rid for r in release})
+        self.ledger.release(release, keep_buffer)
         for r in release:
-            self.reqs.pop(r.rid, None)
-            self.ledger.drop(r.rid)
-
-    def _final_snapshots(self, release: list[ReleaseReq]) -> None:
-        """Finished requests' states (flushed just now) into the snapshots asked for."""
-        n = self.states.num_slots if self.states is not None else 0
-        snaps = [
-            (self.reqs[r.rid].state_slot, r.snapshot)
-            for r in release
-            if r.flush and 1 <= r.snapshot <= n and r.rid in self.reqs
-        ]
-        if snaps:
-            self.states.copy(snaps)
-            mx.eval(self.states.all())
+            self.decodings.pop(r.rid, None)
 
     def recover(self) -> None:
         """After a step ran out of memory: free its temporaries, write what only the
         decode buffer holds into the pool (an extend flushed it first, so this is
         nothing then; a failed decode's rows are released next anyway) and drop the
         buffer, which the next decode rebuilds from the pool."""
-        self.lookahead.invalidate()
-        mx.clear_cache()
-        try:
-            self.flush()
-        finally:
-            self.buffer = None
-            mx.clear_cache()
-
-    def flush(self, skip: set[str] = frozenset()) -> None:
-        """Write every decode token that is only in the decode buffer into the pool."""
-        if self.buffer is not None:
-            self.buffer.flush(self.ledger.slots, skip)
-        mx.eval(self._arrays())
+        self.ledger.reset()

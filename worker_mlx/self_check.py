@@ -104,13 +104,13 @@ def run_pair(
     reqs = []
     for i, p in enumerate(prompts):
         state_slot = i + 1 if states is not None else 0
-        locs = [next(slots) for _ in p]
-        reqs.append(ExtendReq(f"r{i}", p, [], locs, params, state_slot=state_slot))
+        fresh = [next(slots) for _ in p]
+        reqs.append(ExtendReq(f"r{i}", p, [], fresh, params, state_slot=state_slot))
     try:
         steps = [runner.extend(ExtendBatch(0, reqs))]
         for step in range(1, decode_steps + 1):
-            locs = [next(slots) for _ in reqs]
-            steps.append(runner.decode(DecodeBatch(step, ["r0", "r1"], locs)))
+            fresh = [next(slots) for _ in reqs]
+            steps.append(runner.decode(DecodeBatch(step, ["r0", "r1"], fresh)))
     except Exception as exc:
         logger.info("batched self-check raised: %s", exc)
         return None

@@ -75,6 +75,19 @@ class StatePool:
         return [a for layer in self.arrays for a in layer]
 
 
+class NoStates:
+    """The state pool of a model without recurrent layers, composed once in its place:
+    no slots, nothing to hold or copy."""
+
+    num_slots = 0
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        pass
+
+    def all(self) -> list[mx.array]:
+        return []
+
+
 def state_slots(layout: StateLayout, budget_bytes: int | None, max_running: int) -> int:
     """How many state slots: room for every running request and as many snapshots again
     three times over, within a sixteenth of the memory budget when one is known."""

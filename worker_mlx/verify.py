@@ -18,14 +18,12 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from common.messages import DecodeBatch, SamplingParams
-from worker_mlx.request_state import ReqState, StepOutput, sample_and_record, step_keys
+from worker_mlx.decoding import Decoding, StepOutput, sample_and_record, step_keys
 from worker_mlx.sampler import NEG_INF, filter_logits
 
 MAX_DRAFTS = 16  # per row and step, as --speculative-num-draft-tokens allows
 
 if TYPE_CHECKING:
-    from worker_mlx.decode_buffer import DecodeBuffer
-    from worker_mlx.decode_step import DecodeStep
     from worker_mlx.grammar import Grammars
 
 
@@ -86,57 +84,27 @@ def _rejection_sample(
     return a, residual[a]
 
 
-def verify_step(
-    buffer: DecodeBuffer, step: DecodeStep, batch: DecodeBatch, states: list[ReqState],
-    grammars: Grammars | None,
-) -> StepOutput:  # fmt: skip
-    """One step over every row's last token and its drafts: S columns of `buffer` (the
-    caller's, with the batch's rows live and nothing else unflushed), compiled like a
-    decode step. Rows with drafts keep what `verify` accepts; rows without are sampled
-    from their first position as in a plain step (penalties, grammars and logprobs
-    included). All S columns go to the pool at once, the rejected ones into slots the
-    scheduler frees, and become holes of the buffer. The caller records the slots kept
-    (`accepted`) and evaluates the arrays."""
-    rids = list(batch.rids)
-    S = 1 + max(len(d) for d in batch.drafts)
-    row_of = {rid: i for i, rid in enumerate(rids)}
-    tokens, slots = [], {}
-    for rid in buffer.rids:
-        i = row_of.get(rid)
-        if i is None:
-            tokens.append([0] * S)
-            continue
-        d, pad = batch.drafts[i], [0] * (S - 1 - len(batch.drafts[i]))
-        tokens.append([states[i].last_token] + d + pad)
-        slots[rid] = [batch.out_cache_loc[i]] + batch.draft_cache_loc[i] + pad
-    logits = buffer.step(step, mx.array(tokens))[mx.array(buffer.rows(rids))]
-    out = _accept(logits, batch.drafts, states, grammars)
-    buffer.flush(slots.__getitem__)
-    kept = dict(zip(rids, out.accepted))
-    buffer.reject([S - 1 - kept[rid] if rid in kept else 0 for rid in buffer.rids])
-    return out
-
-
-def _accept(
-    logits: mx.array, drafts: list[list[int]], states: list[ReqState], grammars: Grammars | None
+def accept(
+    logits: mx.array, drafts: list[list[int]], decodings: list[Decoding], grammars: Grammars | None
 ) -> StepOutput:
-    """The step's output: drafted rows by `verify`, the others sampled as in a plain step."""
+    """The output of a verify step's logits (B, S, V): drafted rows by `verify`, the
+    others sampled from their first position as in a plain step."""
     drafted = [i for i, d in enumerate(drafts) if d]
     plain = [i for i, d in enumerate(drafts) if not d]
-    n = len(states)
-    out = StepOutput([s.rid for s in states], [0] * n, accepted=[0] * n)
+    n = len(decodings)
+    out = StepOutput([s.rid for s in decodings], [0] * n, accepted=[0] * n)
     if plain:
-        rows = [states[i] for i in plain]
+        rows = [decodings[i] for i in plain]
         sampled = sample_and_record(logits[mx.array(plain), 0], rows, [], grammars)
         if sampled.logprobs is not None:
-            out.logprobs, out.top_logprobs = [0.0] * n, [[] for _ in states]
+            out.logprobs, out.top_logprobs = [0.0] * n, [[] for _ in decodings]
         for j, i in enumerate(plain):
             out.next_token_ids[i] = sampled.next_token_ids[j]
             if sampled.logprobs is not None:
                 out.logprobs[i] = sampled.logprobs[j]
                 out.top_logprobs[i] = sampled.top_logprobs[j]
     if drafted:
-        rows = [states[i] for i in drafted]
+        rows = [decodings[i] for i in drafted]
         accepted, nxt = verify(
             logits[mx.array(drafted)], [drafts[i] for i in drafted],
             [s.sampling for s in rows], step_keys(rows),
@@ -146,25 +114,26 @@ def _accept(
     return out
 
 
-def check_drafts(
-    batch: DecodeBatch, vocab_size: int, num_slots: int, supported: bool, worker_drafts: bool
-) -> None:
-    """A descriptor's drafts must fit its rows, the vocabulary and the pool; with a draft
-    model (`worker_drafts`) a row asks for drafts with slots alone, and the worker makes
-    as many tokens."""
-    if not supported:
-        raise ValueError("this model cannot verify drafts (sliding windows or recurrent layers)")
+def check_drafts(batch: DecodeBatch, vocab_size: int, num_slots: int, has_drafter: bool) -> None:
+    """A descriptor's drafts must fit its rows, the vocabulary and the pool; a worker
+    with a draft model (`has_drafter`) is asked for drafts (`worker_drafts`) with slots
+    alone, and makes as many tokens; one without is sent the tokens."""
+    worker_drafts = batch.worker_drafts
+    if has_drafter and not worker_drafts:
+        raise ValueError("this worker drafts with its draft model: send slots, no tokens")
+    if worker_drafts and not has_drafter:
+        raise ValueError("this worker has no draft model: send the draft tokens")
     n = len(batch.rids)
-    if len(batch.drafts) != n or len(batch.draft_cache_loc) != n:
+    if len(batch.drafts) != n or len(batch.draft_slots) != n:
         raise ValueError(f"{n} requests but {len(batch.drafts)} draft lists")
-    for d, locs in zip(batch.drafts, batch.draft_cache_loc):
-        if len(locs) > MAX_DRAFTS:
-            raise ValueError(f"{len(locs)} draft slots in a row: at most {MAX_DRAFTS}")
+    for d, slots in zip(batch.drafts, batch.draft_slots):
+        if len(slots) > MAX_DRAFTS:
+            raise ValueError(f"{len(slots)} draft slots in a row: at most {MAX_DRAFTS}")
         if worker_drafts and d:
-            raise ValueError("this worker drafts with its draft model: send slots, no tokens")
-        if not worker_drafts and len(d) != len(locs):
-            raise ValueError(f"{len(d)} draft tokens but {len(locs)} slots")
+            raise ValueError("worker_drafts: send slots, no tokens")
+        if not worker_drafts and len(d) != len(slots):
+            raise ValueError(f"{len(d)} draft tokens but {len(slots)} slots")
         if d and (min(d) < 0 or max(d) >= vocab_size):
             raise ValueError(f"draft token id outside the vocabulary [0, {vocab_size})")
-        if locs and (min(locs) < 1 or max(locs) > num_slots):
+        if slots and (min(slots) < 1 or max(slots) > num_slots):
             raise ValueError(f"draft slot id outside the pool [1, {num_slots}]")

@@ -53,7 +53,8 @@ def run_worker(
 
     wait_for_release("worker", release)
     rank = join_group(spec) if spec is not None else None
-    runner, ready = load_runner(args, blas, rank)
+    engine, ready = load_runner(args, blas, rank)  # a runner, or a Verifier around one
+    runner = engine.runner
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
@@ -62,20 +63,21 @@ def run_worker(
     trace = Trace(args.trace_dir, name)
     probe = CollectiveProbe(rank, runner.model) if rank is not None else None
     if spec is not None and spec.rank > 0:
-        serve(runner, follower_inbox(ctx, spec), None, trace, cache.after_step, probe=probe)
+        serve(engine, follower_inbox(ctx, spec), None, trace, cache.after_step, probe=probe)
         return
     forward = Fanout(ctx, spec.fanout) if spec is not None else None
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(runner, inbox, outbox, trace, cache.after_step, forward, probe, guard)
+    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard)
 
 
 def serve(
-    runner, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None,
+    engine, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None,
     guard=None,
 ) -> None:  # fmt: skip
-    """`outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
+    """`engine`: the runner, or the Verifier around it (its `runner`) that the loader
+    built; `outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
     of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
     distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
     `execute`); `guard`: the memory.StepGuard checked before each step."""
@@ -103,8 +105,8 @@ def serve(
         if forward is not None:
             forward(frame)
         step = getattr(msg, "step", -1)
-        trace("recv", step, *(["ahead"] if runner.lookahead.has_step else []))
-        reply = execute(runner, msg, probe is not None, guard)
+        trace("recv", step, *(["ahead"] if engine.runner.lookahead.has_step else []))
+        reply = execute(engine, msg, probe is not None, guard)
         trace("done", step)
         if reply is not None and outbox is not None:
             if probe is not None and isinstance(reply, StepResult):
@@ -112,11 +114,11 @@ def serve(
             outbox.send(encode(reply))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead
-        runner.run_ahead()  # the next decode step computes while the scheduler works
+        engine.run_ahead()  # the next decode step computes while the scheduler works
         after_step()
 
 
-def execute(runner, msg, group: bool = False, guard=None) -> StepResult | WorkerError | None:
+def execute(engine, msg, group: bool = False, guard=None) -> StepResult | WorkerError | None:
     """The step's result, or the error it is answered with. In a group, only a descriptor
     the checks refuse (ValueError, raised alike on every rank before any collective) is
     answered: any other failure (a peer lost mid-collective) may have left the ranks'
@@ -124,19 +126,19 @@ def execute(runner, msg, group: bool = False, guard=None) -> StepResult | Worker
     the worker's memory.StepGuard (None: no check before a step)."""
     try:
         if isinstance(msg, ReleaseBatch):
-            runner.release(msg.release)
+            engine.release(msg.release)
             return None
-        ahead = runner.lookahead.has_step  # then the step may already be computed
+        ahead = engine.runner.lookahead.has_step  # then the step may already be computed
         started = time.perf_counter()
         if guard is not None and not ahead:
-            guard.check(runner, msg)
-        out = runner.extend(msg) if isinstance(msg, ExtendBatch) else runner.decode(msg)
+            guard.check(engine.runner, msg)
+        out = engine.extend(msg) if isinstance(msg, ExtendBatch) else engine.decode(msg)
         took = None if ahead or isinstance(msg, ExtendBatch) else time.perf_counter() - started
     except Exception as exc:
         from worker_mlx.memory import is_out_of_memory  # mlx: not at import (blas.py)
 
         if is_out_of_memory(exc) and not group:
-            return _out_of_memory(runner, msg, exc)
+            return _out_of_memory(engine, msg, exc)
         if group and not isinstance(exc, ValueError):
             logger.error("step %d failed in the group (%s); exiting", msg.step, exc)
             raise SystemExit(GROUP_BROKEN) from exc
@@ -148,17 +150,17 @@ def execute(runner, msg, group: bool = False, guard=None) -> StepResult | Worker
     return StepResult(
         msg.step, out.rids, out.next_token_ids, logprobs=out.logprobs,
         top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
-        accepted=out.accepted, drafts=out.drafts, step_seconds=took,
+        accepted=out.accepted, proposed=out.proposed, guesses=out.guesses, step_seconds=took,
     )  # fmt: skip
 
 
-def _out_of_memory(runner, msg, exc: Exception) -> WorkerError:
+def _out_of_memory(engine, msg, exc: Exception) -> WorkerError:
     """The step's requests fail with a 503 and the worker goes on: the step's temporaries
     are freed, the decode buffer (the failed rows' or, for an extend, already flushed)
     dropped, and the scheduler releases the step's slots as for any failed step."""
     kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
     logger.error("%s step %d ran out of memory: %s", kind, msg.step, exc)
-    runner.recover()
+    engine.recover()
     text = str(exc)
     if not text.startswith("out of memory"):
         text = f"out of memory computing this step ({text})"

@@ -1,8 +1,9 @@
-"""A request's state in the worker and the sampling that advances it each step.
+"""A decoding request's `Decoding` in the worker and the sampling that advances it.
 
-From its last prefill chunk to its release a request has a `ReqState`: its
-sampling state (PRNG key, penalties, grammar matcher) and its last token. Each step
-samples one token per row from the logits with that state (`sample_and_record`) and
+From its last prefill chunk to its release a request has a `Decoding`: its sampling
+state (PRNG key, penalties, grammar matcher) and its last token ("state" alone means a
+recurrent layer's state, and where a request's KV is belongs to the KVLedger). Each step
+samples one token per row from the logits with its Decoding (`sample_and_record`) and
 records the token in it; a verify step takes the rows' keys (`step_keys`) for its own
 acceptance rule.
 """
@@ -19,28 +20,27 @@ from worker_mlx.sampler import KeySource, Penalty, apply_penalties, logprobs, sa
 
 
 @dataclass
-class ReqState:
-    rid: str  # (its KV slots are the runner's KVLedger's)
+class Decoding:
+    rid: str  # (where its KV is, slots and recurrent state slot: the runner's KVLedger)
     sampling: SamplingParams
     last_token: int
     key: mx.array | None
     penalty: Penalty | None = None
     grammar: object | None = None  # its llguidance matcher, if the request is constrained
-    state_slot: int = 0  # its recurrent layers' working state (models with such layers)
 
     @classmethod
-    def for_extend(cls, r: ExtendReq, keys: KeySource, grammars: Grammars | None) -> ReqState:
-        """The state of a request whose last prefill chunk `r` is (its token not sampled)."""
+    def for_extend(cls, r: ExtendReq, keys: KeySource, grammars: Grammars | None) -> Decoding:
+        """The Decoding of a request whose last prefill chunk `r` is (its token not sampled)."""
         key = None
         if not r.sampling.greedy:
             key = keys.request_key(r.sampling.seed, len(r.output_ids))
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        state = cls(r.rid, r.sampling, -1, key, penalty, state_slot=r.state_slot)
+        decoding = cls(r.rid, r.sampling, -1, key, penalty)
         if r.sampling.grammar_kind:
             if grammars is None:
                 raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")
-            state.grammar = grammars.matcher(r.sampling, r.output_ids)
-        return state
+            decoding.grammar = grammars.matcher(r.sampling, r.output_ids)
+        return decoding
 
 
 @dataclass
@@ -51,46 +51,49 @@ class StepOutput:
     top_logprobs: list[list] | None = None
     prompt_logprobs: list | None = None
     accepted: list[int] | None = None  # drafts kept per row, after a verify step
-    drafts: list[list[int]] | None = None  # the draft model's proposals, when it made them
+    # as StepResult's: the worker's draft model's drafts, and its guesses for rows that
+    # did not draft
+    proposed: list[list[int]] | None = None
+    guesses: list[int | None] | None = None
 
 
 def sample_and_record(
     logits: mx.array,
-    states: list[ReqState],
+    decodings: list[Decoding],
     buffers: list[mx.array],
     grammars: Grammars | None,
 ) -> StepOutput:
     """Sample one token per row, overlap host work with the step, record the results."""
-    logits = apply_penalties(logits, [s.penalty for s in states])
-    matchers = [s.grammar for s in states]
+    logits = apply_penalties(logits, [s.penalty for s in decodings])
+    matchers = [s.grammar for s in decodings]
     if any(matchers):
         mx.async_eval(logits)  # the step runs while the masks are computed
         logits = grammars.constrain(logits, matchers)
-    next_tok = sample(logits, [s.sampling for s in states], step_keys(states))
-    top_n = max((s.sampling.top_logprobs for s in states if s.sampling.logprobs), default=-1)
+    next_tok = sample(logits, [s.sampling for s in decodings], step_keys(decodings))
+    top_n = max((s.sampling.top_logprobs for s in decodings if s.sampling.logprobs), default=-1)
     lp = logprobs(logits, next_tok, top_n) if top_n >= 0 else ()
     mx.async_eval(next_tok, *lp, *buffers)
-    out = StepOutput([s.rid for s in states], next_tok.tolist())
+    out = StepOutput([s.rid for s in decodings], next_tok.tolist())
     advance(matchers, out.next_token_ids)
-    for s, tok in zip(states, out.next_token_ids):
+    for s, tok in zip(decodings, out.next_token_ids):
         s.last_token = tok
         if s.penalty is not None:
             s.penalty.observe(tok)
     if lp:
         chosen, ids, vals = (x.tolist() for x in lp)
-        out.logprobs = [c if s.sampling.logprobs else 0.0 for s, c in zip(states, chosen)]
+        out.logprobs = [c if s.sampling.logprobs else 0.0 for s, c in zip(decodings, chosen)]
         out.top_logprobs = [
             [[i, v] for i, v in zip(row_ids, row_vals)][: s.sampling.top_logprobs]
             if s.sampling.logprobs else []
-            for s, row_ids, row_vals in zip(states, ids, vals)
+            for s, row_ids, row_vals in zip(decodings, ids, vals)
         ]  # fmt: skip
     return out
 
 
-def step_keys(states: list[ReqState]) -> list[mx.array | None]:
+def step_keys(decodings: list[Decoding]) -> list[mx.array | None]:
     """This step's PRNG key per row (None for greedy rows); each row's key moves on."""
     keys = []
-    for s in states:
+    for s in decodings:
         use = None
         if s.key is not None:
             s.key, use = KeySource.next(s.key)

@@ -1,4 +1,4 @@
-"""Planning a prefill (extend) step: its forward passes and each pass's pool indices.
+"""Extend passes: an extend (prefill) step's forward passes and each pass's pool indices.
 
 A pass computes right-padded rows of new tokens, each after a prefix whose KV is in the
 pool: `ExtendPlan` holds the slot indices the pass writes and reads and its mask, and
@@ -19,14 +19,14 @@ from worker_mlx.state_pool import StatePool
 class ExtendPlan:
     """Row b has `len(prefix_slots[b])` tokens in the pool and `new_lens[b]` to compute,
     right-padded to L. Prefix KV is gathered from the pool by slot id inside the graph;
-    new KV is scattered into the pool at `out_locs` (padding positions write to slot 0)."""
+    new KV is scattered into the pool at `out_slots` (padding positions write to slot 0)."""
 
     def __init__(
         self,
         pool: MlxKVPool,
         prefix_slots: list[list[int]],
         new_lens: list[int],
-        out_locs: list[list[int]],
+        out_slots: list[list[int]],
         states: StatePool | None = None,
         state_slots: list[int] = (),
         prefix_states: list[int] = (),
@@ -43,7 +43,7 @@ class ExtendPlan:
         # A batch of one gets a plain int: the fallback path for models whose RoPE cannot
         # take per-row offsets.
         self.offset = len(prefix_slots[0]) if B == 1 else prefix_lens
-        new_idx = [loc + [0] * (L - len(loc)) for loc in out_locs]
+        new_idx = [slots + [0] * (L - len(slots)) for slots in out_slots]
         self.write_idx = mx.array(new_idx, dtype=mx.int32).reshape(B * L)
         # with a prefix, attention reads every column back from the pool after the write:
         # prefix slots right-padded to P, then the new tokens' slots
