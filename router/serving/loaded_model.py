@@ -39,10 +39,12 @@ DRAIN_POLL = 0.05  # seconds between checks for the last request of a model bein
 class LoadedModel:
     def __init__(self, entry: ModelEntry, args: ServerArgs, metrics: Metrics,
                  runtime_dir: str, stopping: StopFlag, template: str | None):  # fmt: skip
-        """`args`: the server's, with the --max-memory this model's worker gets."""
+        """`args`: the server's, with the --max-memory this model's worker gets;
+        `runtime_dir`: a new directory for its sockets (short: an ipc path has ~100
+        bytes)."""
         self.entry, self.metrics, self.template = entry, metrics.for_model(entry.name), template
         self.args = dataclasses.replace(args, model_path=entry.path)
-        path = os.path.join(runtime_dir, f"{entry.name}-{time.monotonic_ns()}")
+        path = runtime_dir
         os.mkdir(path)
         endpoints = Endpoints.ipc(path) if args.transport == "ipc" else Endpoints.tcp()
         self.children = Children(self.args, endpoints, f"-{entry.name}", stopping, standbys=False)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import os
 import time
 
 from fastapi.responses import JSONResponse
@@ -55,8 +57,10 @@ class ModelPool:
         self.runtime_dir, self.stopping, self.template = runtime_dir, stopping, template
         self.loaded: dict[str, LoadedModel] = {}
         self.loading: dict[str, asyncio.Task] = {}
-        self.retired: set[LoadedModel] = set()  # old versions finishing their requests
+        # taken out but not stopped yet: swapped-out versions, unloads finishing requests
+        self.retired: set[LoadedModel] = set()
         self.lock = asyncio.Lock()  # one load or unload decision at a time
+        self.loads = itertools.count()  # numbers each load's runtime subdirectory
         self.budget = parse_size(args.models_memory_budget) if args.models_memory_budget else None
         self.pinned = set(args.pin_model or [])
         self.state, self.reason = "serving", ""
@@ -111,7 +115,7 @@ class ModelPool:
         entry = self.registry.find(name) if path is None else self._entry_at(name, path)
         old = self.loaded.get(entry.name)
         if old is not None and (reload or old.entry.path != entry.path):
-            await self._guarded_load(entry, old)
+            await self._guarded_load(entry, swap=True)
         else:
             await self._loaded(entry, None)
         return self.card(entry.name)
@@ -137,7 +141,9 @@ class ModelPool:
         async with self.lock:
             model = self.loaded.get(entry.name)
             if model is not None:
-                await self._unload(model, "asked by /admin/models/unload", evicted=False)
+                self._take_out(model, "asked by /admin/models/unload", evicted=False)
+        if model is not None:  # its requests may take long: loads go on meanwhile
+            await self._stop(model)
         return self.card(entry.name)
 
     # ------------------------------------------------------------ loading
@@ -174,11 +180,14 @@ class ModelPool:
         if not task.cancelled():
             task.exception()  # retrieved: a failure reached whoever waited, or nobody did
 
-    async def _guarded_load(self, entry: ModelEntry, old: LoadedModel | None = None):
+    async def _guarded_load(self, entry: ModelEntry, swap: bool = False):
+        """Load `entry`, or with `swap` a new pair for it beside the loaded one (which,
+        under the lock, is the one loaded now: another swap may have come first)."""
         async with self.lock:
             self._check_serving()
-            if old is None and entry.name in self.loaded:
-                return self.loaded[entry.name]
+            old = self.loaded.get(entry.name)
+            if old is not None and not swap:
+                return old
             return await self._load(entry, old)
 
     async def _load(self, entry: ModelEntry, old: LoadedModel | None) -> LoadedModel:
@@ -187,8 +196,8 @@ class ModelPool:
         args = self.args
         if max_memory is not None:
             args = dataclasses.replace(args, max_memory=str(max_memory))
-        model = LoadedModel(entry, args, self.metrics, self.runtime_dir, self.stopping,
-                            self.template)  # fmt: skip
+        path = os.path.join(self.runtime_dir, f"m{next(self.loads)}")
+        model = LoadedModel(entry, args, self.metrics, path, self.stopping, self.template)
         try:
             failure = await model.start()
         except asyncio.CancelledError:  # the server stops while the model loads
@@ -289,19 +298,31 @@ class ModelPool:
         return "pinned" if model.entry.name in self.pinned else "busy"
 
     async def _unload(self, model: LoadedModel, reason: str, evicted: bool = True) -> None:
-        """Unload now (the caller holds the lock); requests in flight are waited for."""
+        """Unload an idle model now (the caller holds the lock)."""
+        self._take_out(model, reason, evicted)
+        await self._stop(model)
+
+    def _take_out(self, model: LoadedModel, reason: str, evicted: bool) -> None:
+        """New requests no longer reach it; it still counts against the budget (retired)
+        until it stopped."""
         name = model.entry.name
         if self.loaded.get(name) is model:
             del self.loaded[name]
+        self.retired.add(model)
         self.metrics.model_loaded.labels(name).set(0)
         if evicted:
             self.metrics.model_evictions.labels(name).inc()
         pending = len(model.manager.pending) if model.manager else 0
         logger.info("unloading model %s (%s; %d request(s) in flight)", name, reason, pending)
+
+    async def _stop(self, model: LoadedModel) -> None:
+        """Stop a model taken out, once its requests in flight are done."""
         await model.drain(RETIRE_TIMEOUT)
         await model.stop()
-        model.metrics.observe_unloaded(model.replica.id)  # not a swap's: the name lives on
-        logger.info("model %s unloaded", name)
+        self.retired.discard(model)
+        if model.entry.name not in self.loaded:  # (not loaded again meanwhile)
+            model.metrics.observe_unloaded(model.replica.id)
+        logger.info("model %s unloaded", model.entry.name)
 
     async def keep(self) -> None:
         """Unload models idle longer than --model-idle-timeout; a busy model's idle time
