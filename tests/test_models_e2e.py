@@ -171,15 +171,22 @@ def test_a_model_over_the_budget_is_refused_with_the_sizes(tiny_model, tiny_llam
 
 
 def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_path):
+    """And a request that waits longer than --restart-wait-timeout for its model gets a
+    503 with Retry-After, while the load goes on."""
     pinned, other = os.path.basename(tiny_model), os.path.basename(tiny_llama)
     extra = [
-        "--model-path", tiny_llama, "--pin-model", pinned, "--model-idle-timeout", "1",
-        "--max-loaded-models", "2", "--max-total-tokens", "4096",
+        "--model-path", tiny_llama, "--pin-model", pinned, "--model-idle-timeout", "2",
+        "--max-loaded-models", "2", "--max-total-tokens", "4096", "--restart-wait-timeout",
+        "0.2",
     ]  # fmt: skip
     with checked_server(tiny_model, tmp_path / "server.log", extra) as server:
         assert _loaded(server) == {pinned: True, other: False}  # the pinned one at start
+        r = _complete(server, other, _prompt(30))
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+        assert f"model '{other}' is loading" in r.json()["error"]["message"]
+        assert log_lines(server, rf"model {re.escape(other)} loaded in", timeout=60)
         assert _complete(server, other, _prompt(30)).status_code == 200
-        unloaded = log_lines(server, rf"unloading model {re.escape(other)} \(idle for 1 s")
+        unloaded = log_lines(server, rf"unloading model {re.escape(other)} \(idle for 2 s")
         assert unloaded, server.log()
         assert _loaded(server) == {pinned: True, other: False}
         r = _admin(server, "unload", {"model": pinned}, headers={})

@@ -205,7 +205,8 @@ class ModelPool:
             raise
         if failure is not None:
             raise unavailable(f"model {entry.name!r} failed to load: {failure[1]}")
-        seconds = time.monotonic() - started
+        model.last_used = time.monotonic()  # its idle time starts now, not at the load's start
+        seconds = model.last_used - started
         self.metrics.model_load_time.observe(seconds)
         self.metrics.model_loaded.labels(entry.name).set(1)
         logger.info("model %s loaded in %.2f s: %s", entry.name, seconds, model.describe_memory())
