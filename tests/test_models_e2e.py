@@ -9,6 +9,7 @@ import concurrent.futures
 import os
 import random
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -172,12 +173,13 @@ def test_a_model_over_the_budget_is_refused_with_the_sizes(tiny_model, tiny_llam
 
 def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_path):
     """And a request that waits longer than --restart-wait-timeout for its model gets a
-    503 with Retry-After, while the load goes on."""
+    503 with Retry-After, while the load goes on; a model whose pair crash-loops
+    (--max-restarts 0: at its first death) is unloaded, and loads again when asked."""
     pinned, other = os.path.basename(tiny_model), os.path.basename(tiny_llama)
     extra = [
         "--model-path", tiny_llama, "--pin-model", pinned, "--model-idle-timeout", "2",
         "--max-loaded-models", "2", "--max-total-tokens", "4096", "--restart-wait-timeout",
-        "0.2",
+        "0.2", "--max-restarts", "0",
     ]  # fmt: skip
     with checked_server(tiny_model, tmp_path / "server.log", extra) as server:
         assert _loaded(server) == {pinned: True, other: False}  # the pinned one at start
@@ -192,3 +194,9 @@ def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_pat
         r = _admin(server, "unload", {"model": pinned}, headers={})
         assert r.status_code == 400 and "pinned" in r.json()["error"]["message"]
         assert f"unloading model {pinned}" not in server.log()
+        os.kill(server.child(f"worker-{pinned}"), signal.SIGKILL)
+        assert log_lines(server, rf"unloading model {re.escape(pinned)} \(its processes crash")
+        assert _loaded(server)[pinned] is False
+        r = _admin(server, "load", {"model": pinned}, headers={})
+        assert r.status_code == 200 and r.json()["loaded"] is True, r.text
+        assert _complete(server, pinned, _prompt(31)).status_code == 200

@@ -54,6 +54,7 @@ class LoadedModel:
         self.api: ApiContext | None = None
         self.tasks: list[asyncio.Task] = []
         self.last_used = time.monotonic()
+        self.gave_up = asyncio.Event()  # its pair crash-looped (--max-restarts)
 
     @property
     def busy(self) -> bool:
@@ -95,8 +96,9 @@ class LoadedModel:
 
     async def _watch(self, supervision: Supervision) -> None:
         line = await supervision.watch()
-        if line:  # gave up after --max-restarts: the model's requests get a 503 naming why
-            logger.error("model %s: %s", self.entry.name, line)
+        if line:  # gave up after --max-restarts: requests get a 503 naming why, until
+            logger.error("model %s: %s", self.entry.name, line)  # the pool takes it out
+            self.gave_up.set()
 
     def describe_memory(self) -> str:
         """What its worker measured, for the log."""

@@ -14,6 +14,8 @@ a request's model is loaded on demand, and what stays is decided by --max-loaded
 - **Memory.** A model's worker gets --max-memory: what the budget leaves beside the
   loaded models' own budgets (as each worker measured and reported them), at most the
   budget / --max-loaded-models; its KV pool is sized from that, and the log says so.
+- **Crash loop.** A model whose pair is given up (--max-restarts) is unloaded; the next
+  request for it loads it afresh.
 - **Hot swap.** `load(name, reload=True)` (or a new path under the name) starts a new
   pair beside the old one, with the old one's share of the budget and slot (both run
   for a while); once it serves it takes the new requests and the old one stops after
@@ -326,21 +328,30 @@ class ModelPool:
         logger.info("model %s unloaded", model.entry.name)
 
     async def keep(self) -> None:
-        """Unload models idle longer than --model-idle-timeout; a busy model's idle time
-        starts when its last request ends."""
-        timeout = self.args.model_idle_timeout
+        """Unload models idle longer than --model-idle-timeout (a busy model's idle time
+        starts when its last request ends) and those whose pair crash-looped (the next
+        request loads them afresh)."""
         while True:
             await asyncio.sleep(KEEP_INTERVAL)
-            now = time.monotonic()
             for model in list(self.loaded.values()):
-                if model.busy:
-                    model.last_used = now
-                elif timeout is not None and model.entry.name not in self.pinned:
-                    if now - model.last_used > timeout and not self.lock.locked():
-                        async with self.lock:
-                            if not model.busy and self.loaded.get(model.entry.name) is model:
-                                why = f"idle for {timeout:g} s, --model-idle-timeout"
-                                await self._unload(model, why)
+                try:
+                    await self._keep(model)
+                except Exception:  # one model's failure to stop must not end the keeping
+                    logger.exception("model %s: unloading failed", model.entry.name)
+
+    async def _keep(self, model: LoadedModel) -> None:
+        now, timeout = time.monotonic(), self.args.model_idle_timeout
+        if model.gave_up.is_set():
+            async with self.lock:
+                if self.loaded.get(model.entry.name) is model:
+                    await self._unload(model, "its processes crash-looped", evicted=False)
+        elif model.busy:
+            model.last_used = now
+        elif timeout is not None and model.entry.name not in self.pinned:
+            if now - model.last_used > timeout and not self.lock.locked():
+                async with self.lock:
+                    if not model.busy and self.loaded.get(model.entry.name) is model:
+                        await self._unload(model, f"idle for {timeout:g} s, --model-idle-timeout")
 
     # ------------------------------------------------------------ shutdown (as a manager's)
 
