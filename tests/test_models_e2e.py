@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from common.ipc import free_ports
+from router.client import Client, RadixMLXError
 from tests.conftest import mlx_greedy
 from tests.server import RADIX_MLX, checked_server, log_lines
 
@@ -119,6 +120,19 @@ def test_admin_endpoints_need_the_key_and_load_and_unload(two_models):
     assert _admin(server, "load", {}).status_code == 400
     health = httpx.get(server.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and {m["id"] for m in health["models"]} == set(models)
+
+
+def test_the_sdk_names_its_model(two_models):
+    server, models = two_models
+    prompt = _prompt(40)
+    with Client(server.zmq_address, timeout=180, api_key=KEY) as client:
+        for name in sorted(models):
+            res = client.generate(input_ids=prompt, model=name, max_new_tokens=8,
+                                  temperature=0.0, ignore_eos=True)  # fmt: skip
+            assert res.output_ids == mlx_greedy(models[name], prompt, 8)
+        with pytest.raises(RadixMLXError) as err:
+            client.generate(input_ids=prompt, model="gpt-17", max_new_tokens=2)
+    assert err.value.status == 404 and "'gpt-17' does not exist" in str(err.value)
 
 
 def test_unknown_model_is_a_404_naming_it(two_models):

@@ -25,6 +25,8 @@ class ApiContext:
                  names: ModelNames | None = None):  # fmt: skip
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
+        # the SDK's: a max_tokens beyond what the context leaves is refused, never cut
+        self.strict_tok = Tokenization(tokenizer, manager)
         # the names this model answers to: the server's flags, or its entry's among several
         self.names = names or ModelNames(
             args.served_model_names, args.model_alias or [], args.model_path

@@ -216,15 +216,11 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children],
             logger.error("start-up failed: %s", failure[1])
             return 1
         manager.serving()
-        zmq_port = args.zmq_port or args.port + 1
-        try:
-            address = f"tcp://{args.host}:{zmq_port}"
-            frontdoor = FrontDoor(address, manager, tokenizer, args.api_key)
-        except zmq.ZMQError as exc:  # taken while the model loaded (it was free before)
-            logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
+        models = SingleModel(ApiContext(manager, tokenizer, args, metrics))
+        frontdoor = open_frontdoor(args, models, ctx)
+        if frontdoor is None:
             return 2
         door = asyncio.create_task(frontdoor.serve())
-        models = SingleModel(ApiContext(manager, tokenizer, args, metrics))
         server = shutdown.server = Server(http_config(args, models, metrics))
         watcher = asyncio.create_task(supervise(supervisor, server))
         logger.info(
@@ -242,6 +238,17 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children],
         hold_stop_signals()  # the clean-up after the loop is bounded: let nothing cut it
         receiver.cancel()
         manager.close()
+
+
+def open_frontdoor(args: ServerArgs, models, ctx: zmq.asyncio.Context) -> FrontDoor | None:
+    """The SDK's front door on --zmq-port; None (logged) when the port was taken while
+    the model loaded (it was free before)."""
+    zmq_port = args.zmq_port or args.port + 1
+    try:
+        return FrontDoor(f"tcp://{args.host}:{zmq_port}", models, ctx, args.api_key)
+    except zmq.ZMQError as exc:
+        logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
+        return None
 
 
 async def unless(event: asyncio.Event, work):

@@ -2,8 +2,8 @@
 the --*-model* flags): the router serves HTTP over a `ModelPool` (router.serving.model_pool),
 which starts each model's scheduler+worker pair when a request or /admin/models/load asks
 for it. The pinned models (else the first) load before the server listens; signals,
-exit statuses and the drain are `serve`'s (router.serving.launcher). The SDK front door
-serves one model and is not started.
+exit statuses and the drain are `serve`'s (router.serving.launcher). The SDK's
+requests name their model as HTTP requests do (`model=`; none: the first).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import tempfile
 
 import uvloop
+import zmq.asyncio
 
 from common.addresses import unavailable_address
 from common.child_process import StopFlag, server_title, set_title, start_resource_tracker
@@ -22,7 +23,7 @@ from common.log import setup_logging
 from common.server_args import ServerArgs
 from router.api.chat_overrides import chat_overrides
 from router.metrics import Metrics
-from router.serving.launcher import Server, Shutdown, http_config, unless
+from router.serving.launcher import Server, Shutdown, http_config, open_frontdoor, unless
 from router.serving.model_files import ModelNotFound
 from router.serving.model_pool import ModelPool
 from router.serving.model_registry import ModelRegistry
@@ -67,7 +68,8 @@ async def _main(args: ServerArgs, registry: ModelRegistry, runtime_dir: str,
     pool = ModelPool(registry, args, metrics, runtime_dir, stopping, template)
     shutdown = Shutdown(pool, stopping, args.graceful_shutdown_timeout)
     on_loop(asyncio.get_running_loop(), shutdown.on_signal)
-    keeper = None
+    tasks: list[asyncio.Task] = []
+    ctx = zmq.asyncio.Context()  # the SDK front door's (each model has its own)
     try:
         failure = await unless(shutdown.requested, pool.start())
         if shutdown.requested.is_set():
@@ -75,15 +77,18 @@ async def _main(args: ServerArgs, registry: ModelRegistry, runtime_dir: str,
         if failure is not None:
             logger.error("start-up failed: %s", failure)
             return 1
-        keeper = asyncio.create_task(pool.keep())
+        frontdoor = open_frontdoor(args, pool, ctx)
+        if frontdoor is None:
+            return 2
+        tasks = [asyncio.create_task(pool.keep()), asyncio.create_task(frontdoor.serve())]
         server = shutdown.server = Server(http_config(args, pool, metrics))
-        logger.info("serving HTTP on http://%s:%d (%d models; the SDK front door serves "
-                    "one model only and is not started)", args.host, args.port,
-                    len(registry.entries))  # fmt: skip
+        logger.info("serving HTTP on http://%s:%d and the SDK on %s (%d models)", args.host,
+                    args.port, frontdoor.address, len(registry.entries))  # fmt: skip
         await server.serve()
         return 0 if server.started else 1
     finally:
         hold_stop_signals()  # the clean-up after the loop is bounded: let nothing cut it
-        if keeper is not None:
-            keeper.cancel()
+        for task in tasks:
+            task.cancel()
         await pool.close()
+        ctx.destroy(linger=0)
