@@ -172,6 +172,20 @@ def test_hot_swap_under_load_fails_nothing(two_models):
     assert log_lines(server, rf"model {re.escape(name)}: the old version stopped \(0 request")
 
 
+def test_a_new_path_under_a_name_serves_its_weights(two_models):
+    server, models = two_models
+    name, other = sorted(models)
+    prompt = _prompt(50)
+    for path in (models[other], models[name]):  # the other model's weights, then back
+        r = _admin(server, "load", {"model": name, "path": path})
+        assert r.status_code == 200 and r.json()["loaded"] is True, r.text
+        r = _complete(server, name, prompt)
+        assert r.status_code == 200 and r.json()["model"] == name, r.text
+        assert r.json()["choices"][0]["token_ids"] == mlx_greedy(path, prompt, 8)
+    r = _admin(server, "load", {"model": name, "path": "/no/such/dir"})
+    assert r.status_code == 400 and "/no/such/dir" in r.json()["error"]["message"]
+
+
 def test_a_model_over_the_budget_is_refused_with_the_sizes(tiny_model, tiny_llama):
     port, zmq_port = free_ports(2)
     out = subprocess.run(

@@ -133,7 +133,7 @@ class ModelPool:
             self.registry.add(entry)
             self.metrics.add_model(name)
             return entry
-        return dataclasses.replace(entry, path=local, given=path)
+        return dataclasses.replace(entry, path=local)  # its names stay as configured
 
     async def unload(self, name: str) -> dict:
         """Unload a model once its requests in flight are done (its card)."""

@@ -38,7 +38,7 @@ class ModelEntry:
         return ModelNames([self.name, *self.extra_names], self.aliases, self.given or self.path)
 
     def answers(self, name: str) -> bool:
-        if name in (self.name, self.given, self.path) or name in self.extra_names:
+        if name in (self.name, self.given or self.path) or name in self.extra_names:
             return True
         return any(fnmatchcase(name, pattern) for pattern in self.aliases)
 
