@@ -1,7 +1,9 @@
-"""What every API's routes share over one router manager and tokenizer (the OpenAI routes
-in router.api.http_server, the Anthropic ones in router.api.anthropic_messages): the
-tokenization, the model names the server answers to, the check every request passes
-first, and a request's start: its generation, counted in the metrics and the access log."""
+"""What every API's routes share over one model's router manager and tokenizer (the
+OpenAI routes in router.api.http_server, the Anthropic ones in
+router.api.anthropic_messages, the SDK's front door): the tokenization, the model names
+it answers to, and a request's start: its generation, counted in the metrics and the
+access log. A request gets its model's context from router.api.served_models, which
+checks its `model` first."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from router.replicas.manager import RouterManager
 
 
 class ApiContext:
-    """One server's manager, tokenizer, arguments and metrics, and what the routes of
+    """One model's manager, tokenizer, arguments and metrics, and what the routes of
     every API do alike with them."""
 
     def __init__(self, manager: RouterManager, tokenizer, args, metrics,
@@ -33,11 +35,6 @@ class ApiContext:
         )
         self.model_name = self.names.reported  # the name responses report
         self.pieces = TokenPieces(tokenizer)  # token texts and bytes for logprobs
-
-    def check_model(self, req) -> None:
-        """A replica serves, and the request's `model` is one this server answers to."""
-        self.manager.check_ready()
-        self.names.check(req.model)
 
     def start(
         self,
