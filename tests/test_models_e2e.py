@@ -202,12 +202,13 @@ def test_a_model_over_the_budget_is_refused_with_the_sizes(tiny_model, tiny_llam
 def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_path):
     """And a request that waits longer than --restart-wait-timeout for its model gets a
     503 with Retry-After, while the load goes on; a model whose pair crash-loops
-    (--max-restarts 0: at its first death) is unloaded, and loads again when asked."""
+    (--max-restarts 0: at its first death) is unloaded, and loads again when asked. Two
+    models share --models-memory-budget."""
     pinned, other = os.path.basename(tiny_model), os.path.basename(tiny_llama)
     extra = [
         "--model-path", tiny_llama, "--pin-model", pinned, "--model-idle-timeout", "2",
         "--max-loaded-models", "2", "--max-total-tokens", "4096", "--restart-wait-timeout",
-        "0.2", "--max-restarts", "0",
+        "0.2", "--max-restarts", "0", "--models-memory-budget", "3GiB",
     ]  # fmt: skip
     with checked_server(tiny_model, tmp_path / "server.log", extra) as server:
         assert _loaded(server) == {pinned: True, other: False}  # the pinned one at start
@@ -216,6 +217,9 @@ def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_pat
         assert f"model '{other}' is loading" in r.json()["error"]["message"]
         assert log_lines(server, rf"model {re.escape(other)} loaded in", timeout=60)
         assert _complete(server, other, _prompt(30)).status_code == 200
+        # two at once: each worker got half the budget (what the other's measured one left)
+        for name in (pinned, other):
+            assert re.search(rf"model {re.escape(name)} gets --max-memory 1\.5 GiB", server.log())
         unloaded = log_lines(server, rf"unloading model {re.escape(other)} \(idle for 2 s")
         assert unloaded, server.log()
         assert _loaded(server) == {pinned: True, other: False}
