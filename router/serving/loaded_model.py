@@ -44,9 +44,8 @@ class LoadedModel:
         bytes)."""
         self.entry, self.metrics, self.template = entry, metrics.for_model(entry.name), template
         self.args = dataclasses.replace(args, model_path=entry.path)
-        path = runtime_dir
-        os.mkdir(path)
-        endpoints = Endpoints.ipc(path) if args.transport == "ipc" else Endpoints.tcp()
+        os.mkdir(runtime_dir)
+        endpoints = Endpoints.ipc(runtime_dir) if args.transport == "ipc" else Endpoints.tcp()
         self.children = Children(self.args, endpoints, f"-{entry.name}", stopping, standbys=False)
         self.ctx = zmq.asyncio.Context()
         self.replica = Replica("r0", endpoints.scheduler_in, ReplicaLink.local(self.ctx, endpoints))
