@@ -92,6 +92,10 @@ class SchedulerReady:
     max_running_requests: int
     context_len: int
     model_type: str
+    # the worker's memory as it measured it (WorkerReady.memory; 0: not reported): its
+    # budget, and what it holds for good (weights, pools), for a budget over several models
+    memory_budget: int = 0
+    memory_fixed: int = 0
 
 
 @dataclass

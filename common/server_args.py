@@ -44,7 +44,13 @@ def flag(
 
 @dataclass
 class ServerArgs:
-    model_path: str = flag(REQUIRED, "local mlx-lm model directory or Hugging Face id")
+    model_path: str | None = flag(
+        None,
+        "local mlx-lm model directory or Hugging Face id; `serve` takes several (repeatable: "
+        "each is served under its directory's name and loaded on demand)",
+        metavar="PATH",
+        action="append",
+    )
     host: str = flag("127.0.0.1", "HTTP bind address", commands=SERVE)
     port: int = flag(30000, "HTTP port", commands=SERVE)
     max_total_tokens: int | None = flag(
@@ -158,8 +164,43 @@ class ServerArgs:
     )
     model_alias: list[str] | None = flag(
         None,
-        "a glob of other model ids served by this model, e.g. 'claude-haiku-*' (repeatable)",
+        "a glob of other model ids served by this model, e.g. 'claude-haiku-*' (repeatable); "
+        "with several models PATTERN=MODEL names the model it serves (default: the first)",
         metavar="PATTERN",
+        action="extend",
+        commands=SERVE,
+    )
+    model_dir: str | None = flag(
+        None,
+        "offer every mlx-lm model directory under DIR (config.json and weights), each under "
+        "its directory's name, loaded on demand",
+        metavar="DIR",
+        commands=SERVE,
+    )
+    max_loaded_models: int | None = flag(
+        None,
+        "most models loaded at once; loading one more unloads the least recently used idle "
+        "one that is not pinned (default: no limit but --models-memory-budget)",
+        commands=SERVE,
+    )
+    models_memory_budget: str | None = flag(
+        None,
+        "memory all loaded models share (weights, pools and step temporaries, as each "
+        "model's worker measures them), e.g. 24GiB; a model loads with --max-memory what the "
+        "others leave, unloading idle ones first (default: no budget)",
+        metavar="SIZE",
+        commands=SERVE,
+    )
+    model_idle_timeout: float | None = flag(
+        None,
+        "seconds an unpinned model may go without requests before it is unloaded (default: "
+        "kept until room is needed)",
+        commands=SERVE,
+    )
+    pin_model: list[str] | None = flag(
+        None,
+        "a model that is loaded at start and never unloaded (repeatable)",
+        metavar="NAME",
         action="extend",
         commands=SERVE,
     )
@@ -290,8 +331,14 @@ class ServerArgs:
         commands=REPLICA,
     )
 
+    def __post_init__(self) -> None:
+        # every --model-path given, in order (`model_path` is the first). Not a field: a
+        # child's arguments (dataclasses.replace) name the one model it loads.
+        self.model_paths = [self.model_path] if self.model_path is not None else []
+
     def validate(self) -> None:
         """Raise ValueError with the flag name for a value that cannot work."""
+        self._validate_models()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -359,6 +406,38 @@ class ServerArgs:
         if self.group_size > 1 and self.dp_size > 1:
             raise ValueError("--dp-size above 1 with --tp-size/--pp-size is not supported")
 
+    def _validate_models(self) -> None:
+        if self.model_path is None and not self.model_dir:
+            raise ValueError("give --model-path (or, to serve several models, --model-dir)")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError("--max-loaded-models must be >= 1")
+        if self.model_idle_timeout is not None and self.model_idle_timeout <= 0:
+            raise ValueError("--model-idle-timeout must be > 0")
+        if self.models_memory_budget is not None:
+            try:
+                parse_size(self.models_memory_budget)
+            except ValueError as exc:
+                raise ValueError(f"--models-memory-budget: {exc}") from None
+        if self.several_models and (self.replica or self.group_size > 1 or self.dp_size != 1):
+            raise ValueError(
+                "several models (--model-dir, a repeated --model-path or the --*-model* flags) "
+                "run one local scheduler+worker pair each: not with --replica, --dp-size, "
+                "--tp-size or --pp-size"
+            )
+
+    @property
+    def several_models(self) -> bool:
+        """Served as a set of models loaded on demand (router.serving.model_pool) rather
+        than the one model of --model-path, started with the server."""
+        return (
+            len(self.model_paths) > 1
+            or self.model_dir is not None
+            or self.max_loaded_models is not None
+            or self.models_memory_budget is not None
+            or self.model_idle_timeout is not None
+            or bool(self.pin_model)
+        )
+
     def _validate_ports(self) -> None:
         """Every port a flag names is 1..65535 (a larger one would be taken modulo 65536
         by the bind, and the log would name a port nothing listens on)."""
@@ -398,11 +477,16 @@ class ServerArgs:
         `provider/model` strings take as it is."""
         if self.served_model_name:
             return list(self.served_model_name)
-        return [os.path.basename(self.model_path.rstrip("/")) or self.model_path]
+        return [default_model_name(self.model_path or "")]
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+
+def default_model_name(path: str) -> str:
+    """The id a model is served under: its directory's (or Hugging Face id's) last part."""
+    return os.path.basename(path.rstrip("/")) or path
 
 
 def flag_name(f: dataclasses.Field) -> str:
@@ -463,4 +547,9 @@ def add_command_args(parser: argparse.ArgumentParser, command: str) -> None:
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     names = {f.name for f in dataclasses.fields(ServerArgs)}
-    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    values = {k: v for k, v in vars(ns).items() if k in names}
+    paths = values.get("model_path") or []  # --model-path is repeatable: a list
+    values["model_path"] = paths[0] if paths else None
+    args = ServerArgs(**values)
+    args.model_paths = list(paths)
+    return args

@@ -89,10 +89,11 @@ class StreamChunk:
 
 def _request(
     stream: bool, text=None, input_ids=None, messages=None, rid=None, cache_salt=None,
-    **sampling: Any,
+    model=None, **sampling: Any,
 ) -> ClientGenerate:  # fmt: skip
     """The request; `cache_salt` (any call's keyword): only requests with the same salt
-    share cached prompt prefixes (vLLM's field)."""
+    share cached prompt prefixes (vLLM's field); `model` (any call's keyword): the model
+    to run, on a server with several (a name it answers to, else an error naming it)."""
     unknown = set(sampling) - _SAMPLING_NAMES
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
@@ -104,6 +105,7 @@ def _request(
         messages=messages,
         stream=stream,
         cache_salt=cache_salt,
+        model=model,
     )
 
 

@@ -131,6 +131,8 @@ class ClientGenerate:
     api_key: str | None = None  # required when the server runs with --api-key
     # only requests with the same salt share cached prompt prefixes (vLLM's cache_salt)
     cache_salt: str | None = None
+    # the model, on a server with several (`radix-mlx serve --model-dir`); None: the first
+    model: str | None = None
 
 
 @dataclass

@@ -55,9 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     ns = build_parser().parse_args(argv)
     if ns.command == "serve":
+        args = args_from_namespace(ns)
+        if args.several_models:  # loaded on demand
+            from router.serving.models_launcher import serve_models
+
+            return serve_models(args)
         from router.serving.launcher import serve
 
-        return serve(args_from_namespace(ns))
+        return serve(args)
     if ns.command == "replica":
         from router.serving.replica_launcher import run_replica
 

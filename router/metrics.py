@@ -22,6 +22,7 @@ and `routing_decisions_total{policy,reason}` counts the router's choices.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import AsyncIterator
 
@@ -67,6 +68,9 @@ METRICS = {
     "replica_restarts": "counter",
     "replica_requests": "counter",
     "collective_seconds": "histogram",
+    "model_loaded": "gauge",
+    "model_load_seconds": "histogram",
+    "model_evictions": "counter",
 }
 FINISH_REASONS = ("stop", "length", "abort")
 PROCESSES = ("router", "scheduler", "worker")
@@ -97,11 +101,17 @@ class _Live:
 
 
 class Metrics:
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        p, label = PREFIX, ["replica"]
+    """`models`: the server serves several models (router.serving.model_pool); every
+    replica-labelled series then has a `model` label first, and each model's manager
+    reports through its own view (`for_model`)."""
 
-        def counter(name: str, doc: str, labels=("replica",)) -> Counter:
+    def __init__(self, models: bool = False):
+        self.registry = r = CollectorRegistry()
+        self.model: str | None = None  # the model a view of `for_model` reports for
+        label = ["model", "replica"] if models else ["replica"]
+        p = PREFIX
+
+        def counter(name: str, doc: str, labels=tuple(label)) -> Counter:
             return Counter(p + name, doc, list(labels), registry=r)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
@@ -114,7 +124,7 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens from the prefix cache")
         self.requests = counter("requests", "Finished requests (abort: the client went away "
-                                "or cancelled)", ("finish_reason", "replica"))  # fmt: skip
+                                "or cancelled)", ("finish_reason", *label))  # fmt: skip
         self.evicted_tokens = counter("evicted_tokens", "Tokens evicted from the cache")
         self.retracted = counter("retracted_requests", "Requests retracted to the queue")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
@@ -135,7 +145,8 @@ class Metrics:
             ["process"],
             registry=r,
         )
-        self._replica_metrics(r)
+        self._replica_metrics(r, label)
+        self._model_metrics(r)  # no series unless several models are served
         self.collective = histogram(
             "collective_seconds",
             "A distributed worker's decode-step collectives, timed alone every 64 steps",
@@ -145,12 +156,12 @@ class Metrics:
             self.up.labels(process).set(process == "router")
             if process != "router":
                 self.restarts.labels(process)
-        self._stats: dict[str, SchedulerStats] = {}  # each replica's last report
-        self._down: set[str] = set()  # replicas being restarted
+        self._stats: dict[tuple, SchedulerStats] = {}  # each replica's last report
+        self._down: set[tuple] = set()  # replicas being restarted
         self._live: dict[str, _Live] = {}
 
-    def _replica_metrics(self, r: CollectorRegistry) -> None:
-        p, label = PREFIX, ["replica"]
+    def _replica_metrics(self, r: CollectorRegistry, label: list[str]) -> None:
+        p = PREFIX
         self.routing = Counter(p + "routing_decisions", "Requests routed to a replica, by "
                                "policy and why", ["policy", "reason"], registry=r)  # fmt: skip
         self.routing_time = Histogram(
@@ -167,6 +178,35 @@ class Metrics:
             registry=r,
         )  # fmt: skip
 
+    def _model_metrics(self, r: CollectorRegistry) -> None:
+        p = PREFIX
+        self.model_loaded = Gauge(p + "model_loaded", "1 while the model is loaded", ["model"],
+                                  registry=r)  # fmt: skip
+        self.model_load_time = Histogram(
+            p + "model_load_seconds", "From a model's load decision to its pair's ready report",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.model_evictions = Counter(
+            p + "model_evictions", "Models unloaded to make room or after their idle timeout",
+            ["model"], registry=r,
+        )  # fmt: skip
+
+    def add_model(self, model: str) -> None:
+        """Export a model's series at 0 from the first scrape (not loaded yet)."""
+        self.model_loaded.labels(model).set(0)
+        self.model_evictions.labels(model)
+
+    def for_model(self, model: str) -> Metrics:
+        """The view a model's manager and supervisor report through: the same registry
+        and series, its `model` label set."""
+        view = copy.copy(self)
+        view.model = model
+        return view
+
+    def _at(self, replica: str) -> tuple[str, ...]:
+        """The label values of a replica's series (of this view's model, if any)."""
+        return (replica,) if self.model is None else (self.model, replica)
+
     def add_replica(self, replica: str) -> None:
         """Export every series of a replica at 0 (not up yet): from the first scrape,
         not from its first request."""
@@ -176,22 +216,22 @@ class Metrics:
             self.queue_time, self.running, self.queued, self.token_usage, self.capacity,
             self.replica_up, self.replica_restarts, self.replica_requests,
         ):  # fmt: skip
-            series.labels(replica)
+            series.labels(*self._at(replica))
         for reason in FINISH_REASONS:
-            self.requests.labels(reason, replica)
+            self.requests.labels(reason, *self._at(replica))
 
     def observe_routing(self, policy: str, reason: str, replica: str, seconds: float) -> None:
         self.routing.labels(policy, reason).inc()
         self.routing_time.observe(seconds)
-        self.replica_requests.labels(replica).inc()
+        self.replica_requests.labels(*self._at(replica)).inc()
 
     def observe_ready(self, ready: SchedulerReady, replica: str = "r0") -> None:
         """A (re)started scheduler: its counters start from 0, its pool is empty."""
-        self._stats.pop(replica, None)  # its cumulative counters start again from 0
-        self._down.discard(replica)
+        self._stats.pop(self._at(replica), None)  # its cumulative counters start again from 0
+        self._down.discard(self._at(replica))
         self.add_replica(replica)
         self.observe_stats(SchedulerStats(0, 0, 0.0, ready.num_slots, 0, 0), replica)
-        self.replica_up.labels(replica).set(1)
+        self.replica_up.labels(*self._at(replica)).set(1)
         if not self._down:
             for process in ("scheduler", "worker"):
                 self.up.labels(process).set(1)
@@ -199,54 +239,62 @@ class Metrics:
     def observe_death(self, process: str, replica: str = "r0") -> None:
         """A replica's child died or hung: both are restarted, nothing runs there meanwhile."""
         self.restarts.labels(process).inc()
-        self.replica_restarts.labels(replica).inc()
-        self.replica_up.labels(replica).set(0)
-        self._down.add(replica)
-        last = self._stats.get(replica)
+        self.replica_restarts.labels(*self._at(replica)).inc()
+        self.replica_up.labels(*self._at(replica)).set(0)
+        self._down.add(self._at(replica))
+        last = self._stats.get(self._at(replica))
         if last is not None:
-            self._stats[replica] = SchedulerStats(0, 0, 0.0, last.capacity, last.evicted_tokens,
-                                                  last.retracted_requests)  # fmt: skip
-            self._set_gauges(self._stats[replica], replica)
+            zeroed = SchedulerStats(0, 0, 0.0, last.capacity, last.evicted_tokens,
+                                    last.retracted_requests)  # fmt: skip
+            self._stats[self._at(replica)] = zeroed
+            self._set_gauges(zeroed, replica)
         for child in ("scheduler", "worker"):
             self.up.labels(child).set(0)
 
+    def observe_unloaded(self, replica: str = "r0") -> None:
+        """A model's pair stopped for good (unloaded): nothing runs or waits there."""
+        self.replica_up.labels(*self._at(replica)).set(0)
+        last = self._stats.pop(self._at(replica), None)
+        capacity = last.capacity if last is not None else 0
+        self._set_gauges(SchedulerStats(0, 0, 0.0, capacity, 0, 0), replica)
+
     def observe_stats(self, s: SchedulerStats, replica: str = "r0") -> None:
-        seen = self._stats.get(replica)
+        seen = self._stats.get(self._at(replica))
         evicted = s.evicted_tokens - (seen.evicted_tokens if seen else 0)
         retracted = s.retracted_requests - (seen.retracted_requests if seen else 0)
-        self.evicted_tokens.labels(replica).inc(max(0, evicted))
-        self.retracted.labels(replica).inc(max(0, retracted))
+        self.evicted_tokens.labels(*self._at(replica)).inc(max(0, evicted))
+        self.retracted.labels(*self._at(replica)).inc(max(0, retracted))
         if s.collective_probes > (seen.collective_probes if seen else 0):
-            self.collective.labels(replica).observe(s.collective_seconds)
-        self._stats[replica] = s
+            self.collective.labels(*self._at(replica)).observe(s.collective_seconds)
+        self._stats[self._at(replica)] = s
         self._set_gauges(s, replica)
 
     def _set_gauges(self, s: SchedulerStats, replica: str) -> None:
-        self.running.labels(replica).set(s.num_running)
-        self.queued.labels(replica).set(s.num_queued)
-        self.token_usage.labels(replica).set(s.token_usage)
-        self.capacity.labels(replica).set(s.capacity)
+        self.running.labels(*self._at(replica)).set(s.num_running)
+        self.queued.labels(*self._at(replica)).set(s.num_queued)
+        self.token_usage.labels(*self._at(replica)).set(s.token_usage)
+        self.capacity.labels(*self._at(replica)).set(s.capacity)
 
     def observe_output(self, out: TokenOut, created: float, replica: str = "r0") -> None:
         now = time.monotonic()
         live = self._live.get(out.rid)
         if live is None:
             live = self._live[out.rid] = _Live(created, now, replica)
-            self.ttft.labels(replica).observe(now - created)
-            self.queue_time.labels(replica).observe(max(0.0, out.queue_time))
-            self.prompt_tokens.labels(replica).inc(out.prompt_tokens)
-            self.cached_tokens.labels(replica).inc(out.cached_tokens)
+            self.ttft.labels(*self._at(replica)).observe(now - created)
+            self.queue_time.labels(*self._at(replica)).observe(max(0.0, out.queue_time))
+            self.prompt_tokens.labels(*self._at(replica)).inc(out.prompt_tokens)
+            self.cached_tokens.labels(*self._at(replica)).inc(out.cached_tokens)
         elif out.token_ids:
             gap = (now - live.last) / len(out.token_ids)
-            itl = self.itl.labels(replica)
+            itl = self.itl.labels(*self._at(replica))
             for _ in out.token_ids:
                 itl.observe(gap)
-        self.generation_tokens.labels(replica).inc(len(out.token_ids))
+        self.generation_tokens.labels(*self._at(replica)).inc(len(out.token_ids))
         live.last = now
         if out.finish_reason is not None:
             del self._live[out.rid]
-            self.e2e.labels(replica).observe(now - created)
-            self.requests.labels(out.finish_reason, replica).inc()
+            self.e2e.labels(*self._at(replica)).observe(now - created)
+            self.requests.labels(out.finish_reason, *self._at(replica)).inc()
 
     def note_finish(self, rid: str, reason: str) -> None:
         """The router ended a request itself (a stop string matched on the text)."""
@@ -264,8 +312,8 @@ class Metrics:
         if live is None:
             return
         if live.end_reason is not None:
-            self.e2e.labels(live.replica).observe(time.monotonic() - live.created)
-        self.requests.labels(live.end_reason or "abort", live.replica).inc()
+            self.e2e.labels(*self._at(live.replica)).observe(time.monotonic() - live.created)
+        self.requests.labels(live.end_reason or "abort", *self._at(live.replica)).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -71,6 +71,8 @@ class SchedulerProcess:
                     self.args.max_running_requests,
                     sched.context_len,
                     ready.model_type,
+                    ready.memory.budget if ready.memory else 0,
+                    ready.memory.fixed if ready.memory else 0,
                 )
             )
         )

@@ -201,7 +201,7 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
     m.observe_death("worker", "r0")  # nothing runs there while it restarts
     assert _value(m, "num_running_requests") == 1
     # (collective_seconds: only a distributed worker's, test_distributed_e2e checks it)
-    others = ("process_", "routing_", "replica_", "collective_")
+    others = ("process_", "routing_", "replica_", "collective_", "model_")
     per_replica = {n for n in METRICS if not n.startswith(others)}
     assert per_replica == {name.removesuffix("_total") for name, _ in BRIEF}
     for fam in m.registry.collect():

@@ -203,6 +203,7 @@ def test_a_replica_of_another_model_is_refused(keyed_replica, tiny_model, tiny_l
         ("tcp://*:{port}", [], "refusing to listen on tcp://*:{port} without CURVE keys"),
         ("tcp://127.0.0.1:{port}", ["--curve-secret-key", "k"], "go together"),
         ("ipc:///tmp/x", [], "--listen ipc:///tmp/x: expected tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:{port}", ["--model-path", "m2"], "a replica serves one model"),
     ],
 )
 def test_a_replica_refuses_flags_that_cannot_work(tiny_model, listen, extra, line):

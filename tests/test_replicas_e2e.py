@@ -143,7 +143,8 @@ def test_scheduler_side_series_carry_the_replica_label(tiny_pools):
     """A real scrape with --dp-size 2: every scheduler-side sample is one replica's, and a
     request counts on the replica it landed on only."""
     # (collective_seconds: only a distributed worker's, test_distributed_e2e checks it)
-    router_side = ("process_", "routing_", "replica_", "collective_")
+    # (model_: a server with several models, router.serving.model_pool)
+    router_side = ("process_", "routing_", "replica_", "collective_", "model_")
     per_replica = {PREFIX + n for n in METRICS if not n.startswith(router_side)}
     before = scrape(tiny_pools.url)
     prompt = _prompts(1, 41)[0]

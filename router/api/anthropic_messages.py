@@ -33,27 +33,27 @@ ANTHROPIC_MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1], OpenAI's [0, 2]
 class AnthropicRoutes:
     """The endpoints, over the tokenization, checks and generation every API shares."""
 
-    def __init__(self, api: ApiContext):
-        self.api = api
+    def __init__(self, models):
+        self.models = models  # router.api.served_models: each request's model's ApiContext
         self.signer = ThinkingSigner()
 
-    def _plan(self, req: CountTokensRequest, grammar=None):
+    def _plan(self, api: ApiContext, req: CountTokensRequest, grammar=None):
         return plan_chat(
-            self.api.tok, req.openai_messages(self.signer), req.openai_tools(),
+            api.tok, req.openai_messages(self.signer), req.openai_tools(),
             req.openai_tool_choice(), req.template_kwargs(), grammar,
             getattr(req, "max_tokens", None),  # count_tokens has none
             req.think_budget(),
         )  # fmt: skip
 
     async def count_tokens(self, req: CountTokensRequest):
-        self.api.check_model(req)
-        ids, _, _ = self._plan(req)
+        api = await self.models.context(req.model)
+        ids, _, _ = self._plan(api, req)
         return {"input_tokens": len(ids)}
 
     async def messages(self, req: MessagesRequest, request: Request):
-        self.api.check_model(req)
+        api = await self.models.context(req.model)
         grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
-        ids, prompt, grammar = self._plan(req, grammar)
+        ids, prompt, grammar = self._plan(api, req, grammar)
         d = SamplingParams()
         kind, source = grammar or ("", "")
         sampling = SamplingParams(
@@ -70,9 +70,9 @@ class AnthropicRoutes:
                 param="temperature",
             )
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        priority = marked_prefix_len(self.api.tok, req, ids)  # cache_control breakpoints
-        chunks = self.api.start(req, ids, sampling, rid, priority)
-        message = _Message(rid, self.api.model_name, prompt, req.stop_strings(), self.api.tokenizer)
+        priority = marked_prefix_len(api.tok, req, ids)  # cache_control breakpoints
+        chunks = api.start(req, ids, sampling, rid, priority)
+        message = _Message(rid, api.model_name, prompt, req.stop_strings(), api.tokenizer)
         if not req.stream:
             return message.body(await whole(request, chunks), self.signer)
         first = await first_chunk(request, chunks)

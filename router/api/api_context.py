@@ -1,7 +1,9 @@
-"""What every API's routes share over one router manager and tokenizer (the OpenAI routes
-in router.api.http_server, the Anthropic ones in router.api.anthropic_messages): the
-tokenization, the model names the server answers to, the check every request passes
-first, and a request's start: its generation, counted in the metrics and the access log."""
+"""What every API's routes share over one model's router manager and tokenizer (the
+OpenAI routes in router.api.http_server, the Anthropic ones in
+router.api.anthropic_messages, the SDK's front door): the tokenization, the model names
+it answers to, and a request's start: its generation, counted in the metrics and the
+access log. A request gets its model's context from router.api.served_models, which
+checks its `model` first."""
 
 from __future__ import annotations
 
@@ -12,24 +14,27 @@ from router.api.access_log import count_usage
 from router.api.cache_salt_header import request_salt
 from router.api.generation import Tokenization, generate_text
 from router.api.model_names import ModelNames
+from router.api.openai_api import TokenPieces
 from router.metrics import track_finish
 from router.replicas.manager import RouterManager
 
 
 class ApiContext:
-    """One server's manager, tokenizer, arguments and metrics, and what the routes of
+    """One model's manager, tokenizer, arguments and metrics, and what the routes of
     every API do alike with them."""
 
-    def __init__(self, manager: RouterManager, tokenizer, args, metrics):
+    def __init__(self, manager: RouterManager, tokenizer, args, metrics,
+                 names: ModelNames | None = None):  # fmt: skip
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
-        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
+        # the SDK's: a max_tokens beyond what the context leaves is refused, never cut
+        self.strict_tok = Tokenization(tokenizer, manager)
+        # the names this model answers to: the server's flags, or its entry's among several
+        self.names = names or ModelNames(
+            args.served_model_names, args.model_alias or [], args.model_path
+        )
         self.model_name = self.names.reported  # the name responses report
-
-    def check_model(self, req) -> None:
-        """A replica serves, and the request's `model` is one this server answers to."""
-        self.manager.check_ready()
-        self.names.check(req.model)
+        self.pieces = TokenPieces(tokenizer)  # token texts and bytes for logprobs
 
     def start(
         self,

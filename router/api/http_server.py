@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from common.messages import Output
 from router.api.access_log import AccessLog
+from router.api.admin import AdminRoutes
 from router.api.anthropic_api import anthropic_error_body
 from router.api.anthropic_messages import AnthropicRoutes
 from router.api.api_context import ApiContext
@@ -33,7 +34,6 @@ from router.api.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    TokenPieces,
     chat_logprobs,
     error_body,
     prompt_only,
@@ -41,10 +41,11 @@ from router.api.openai_api import (
 from router.api.openai_responses import ResponsesRoutes
 from router.api.request_body import field_path
 from router.api.response_assembly import Choice, collect, stream
-from router.replicas.manager import RouterManager
+from router.api.served_models import SingleModel
 from router.request_error import RequestError
 
-_GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, if one is set
+# paths that need the API key, if one is set
+_GUARDED = ("/v1/", "/tokenize", "/detokenize", "/admin/")
 _ANTHROPIC = "/v1/messages"  # paths of the Anthropic API (its error bodies)
 MAX_CHOICES = 64  # prompts x n in one request; each is a request of its own upstream
 
@@ -56,7 +57,9 @@ _STATUS_CODES = {
 }
 
 
-def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI:
+def create_app(models: SingleModel, args, metrics=None) -> FastAPI:
+    """The app over `models`: a `SingleModel`, or the set of models loaded on demand
+    (router.serving.model_pool.ModelPool, with the same methods and the admin routes)."""
     # the schema is published (schemathesis fuzzes the API from it); the docs UIs are not
     app = FastAPI(title="radix-mlx", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=args.api_key, max_bytes=args.max_request_bytes)
@@ -71,8 +74,7 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    api = ApiContext(manager, tokenizer, args, metrics)
-    routes = _Routes(api)
+    routes = _Routes(models, metrics)
     app.api_route("/", methods=["GET", "HEAD"])(routes.root)
     app.api_route("/health", methods=["GET", "HEAD"])(routes.health)
     app.get("/v1/models")(routes.models)
@@ -80,16 +82,20 @@ def create_app(manager: RouterManager, tokenizer, args, metrics=None) -> FastAPI
     app.get("/metrics")(routes.metrics_text)
     app.post("/v1/completions")(routes.completions)
     app.post("/v1/chat/completions")(routes.chat_completions)
-    anthropic = AnthropicRoutes(api)
+    anthropic = AnthropicRoutes(models)
     app.post("/v1/messages")(anthropic.messages)
     app.post("/v1/messages/count_tokens")(anthropic.count_tokens)
-    responses = ResponsesRoutes(api, args.responses_store_size)
+    responses = ResponsesRoutes(models, args.responses_store_size)
     app.post("/v1/responses")(responses.create)
     app.get("/v1/responses/{response_id}")(responses.retrieve)
     app.delete("/v1/responses/{response_id}")(responses.delete)
     app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
+    if hasattr(models, "load"):  # several models: loaded and unloaded on demand, or by hand
+        admin = AdminRoutes(models)
+        app.post("/admin/models/load")(admin.load)
+        app.post("/admin/models/unload")(admin.unload)
     return app
 
 
@@ -118,82 +124,71 @@ class _Routes:
     """The OpenAI endpoints and the server's own (health, models, metrics, tokenize), over
     what every API's routes share (`ApiContext`)."""
 
-    def __init__(self, api: ApiContext):
-        self.api, self.manager, self.tok = api, api.manager, api.tok
-        self.pieces = TokenPieces(api.tokenizer)
+    def __init__(self, models: SingleModel, metrics):
+        self.served, self.metrics = models, metrics
 
     async def health(self):
-        """200 while a replica serves; the body says why not, and lists every replica."""
-        replicas = [r.describe() for r in self.manager.replicas]
-        if self.manager.healthy and self.manager.ready is not None:
-            return JSONResponse({"status": "ok", "replicas": replicas})
-        reason = self.manager.unhealthy_reason or "starting"
-        return JSONResponse({"status": reason, "replicas": replicas}, status_code=503)
+        return self.served.health()
 
     async def root(self):
         """Some clients probe the base URL (`HEAD /`) before they send anything."""
-        return {"status": "ok" if self.manager.healthy else "starting"}
-
-    def _card(self, model_id: str) -> dict:
-        return {
-            "id": model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "radix-mlx",
-            "max_model_len": self.manager.max_model_len,
-        }
+        return {"status": "ok" if self.served.healthy else "starting"}
 
     async def models(self):
-        return {"object": "list", "data": [self._card(name) for name in self.api.names.served]}
+        return {"object": "list", "data": self.served.cards()}
 
     async def model(self, model_id: str):
-        """A served name's card; an alias's is the same model's under the asked-for id."""
+        """A model's card, under the asked-for id (an alias's is its model's)."""
         if not model_id:
             raise RequestError("a model id is needed", "model_not_found", 404, param="model")
-        self.api.names.check(model_id)
-        return self._card(model_id)
+        return self.served.card(model_id)
 
     async def metrics_text(self):
-        if self.api.metrics is None:
+        if self.metrics is None:
             return PlainTextResponse("", media_type="text/plain")
-        body, content_type = self.api.metrics.render()
+        body, content_type = self.metrics.render()
         return PlainTextResponse(body, media_type=content_type)
 
-    def _check(self, req) -> None:
-        """What a completion request needs before its prompt is looked at."""
-        self.api.check_model(req)
+    async def _check(self, req) -> ApiContext:
+        """What a completion request needs before its prompt is looked at: its model's
+        context."""
+        api = await self.served.context(req.model)
         problem = req.unsupported()
         if problem:
             raise RequestError(problem, "unsupported_parameter")
+        return api
 
     async def tokenize(self, req: TokenizeRequest):
-        self.api.check_model(req)
+        api = await self.served.context(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give exactly one of prompt or messages")
         if req.messages is not None:
-            ids = self.tok.encode_chat(req.messages)
+            ids = api.tok.encode_chat(req.messages)
         else:
-            ids = self.tok.encode_text(req.prompt)
-        return {"count": len(ids), "max_model_len": self.manager.max_model_len, "tokens": ids}
+            ids = api.tok.encode_text(req.prompt)
+        return {"count": len(ids), "max_model_len": api.manager.max_model_len, "tokens": ids}
 
     async def detokenize(self, req: DetokenizeRequest):
-        self.api.check_model(req)
-        vocab = len(self.api.tokenizer)
+        api = await self.served.context(req.model)
+        vocab = len(api.tokenizer)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise RequestError(f"tokens: token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": self.api.tokenizer.decode(req.tokens)}
+        return {"prompt": api.tokenizer.decode(req.tokens)}
 
-    def _prompts(self, prompt) -> list[list[int]]:
+    @staticmethod
+    def _prompts(api: ApiContext, prompt) -> list[list[int]]:
         """The prompt, or each prompt of a batch, as token ids."""
         if isinstance(prompt, str):
-            return [self.tok.encode_text(prompt)]
+            return [api.tok.encode_text(prompt)]
         if prompt and isinstance(prompt[0], str):
-            return [self.tok.encode_text(p) for p in prompt]
+            return [api.tok.encode_text(p) for p in prompt]
         if prompt and isinstance(prompt[0], list):
             return [list(p) for p in prompt]
         return [list(prompt)]
 
-    def _choices(self, req, prompts: list[list[int]], sampling, rid: str, render_at) -> list:
+    @staticmethod
+    def _choices(api: ApiContext, req, prompts: list[list[int]], sampling, rid: str,
+                 render_at) -> list:  # fmt: skip
         """`n` choices per prompt, index i answering prompt i // n; a seeded request's
         j-th sample of a prompt uses seed + j, so the samples differ and reproduce."""
         n = 1 if req.n is None else req.n
@@ -210,14 +205,14 @@ class _Routes:
             if j and sampling.seed is not None:
                 nth = dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)
             sub_rid = rid if total == 1 else f"{rid}-{index}"
-            chunks = self.api.start(req, ids, nth, sub_rid)  # checks the ids first
+            chunks = api.start(req, ids, nth, sub_rid)  # checks the ids first
             render, prefix = render_at(index, ids)  # may decode them (echo)
             choices.append(Choice(chunks, render, index // n, prefix))
         return choices
 
     async def completions(self, req: CompletionRequest, request: Request):
-        self._check(req)
-        prompts = self._prompts(req.prompt)
+        api = await self._check(req)
+        prompts = self._prompts(api, req.prompt)
         grammar = output_grammar(req.response_format, req.regex, req.ebnf)
         max_new = req.max_tokens if req.max_tokens is not None else 16
         if max_new == 0 and not req.echo:
@@ -229,53 +224,50 @@ class _Routes:
         sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        body = partial(self._body, rid, created)
+        body = partial(_body, api.model_name, rid, created)
         logprobs = bool(sampling.logprobs)
 
         def render_at(index: int, ids: list[int]):
-            render = CompletionRenderer(index, ids, logprobs, self.pieces, body)
-            return render, self.api.tokenizer.decode(ids) if req.echo else ""
+            render = CompletionRenderer(index, ids, logprobs, api.pieces, body)
+            return render, api.tokenizer.decode(ids) if req.echo else ""
 
-        choices = self._choices(req, prompts, sampling, rid, render_at)
+        choices = self._choices(api, req, prompts, sampling, rid, render_at)
         if max_new == 0:
             for choice in choices:
                 choice.chunks = prompt_only(choice.chunks)
         return await _respond(req, request, choices)
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request):
-        self._check(req)
+        api = await self._check(req)
         grammar = output_grammar(req.response_format, req.regex, req.ebnf)
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
         ids, prompt, grammar = plan_chat(
-            self.tok, req.messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
+            api.tok, req.messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
             max_new,
         )  # fmt: skip
-        max_new = self.tok.fit(len(ids), max_new)  # None: as much as the context leaves
+        max_new = api.tok.fit(len(ids), max_new)  # None: as much as the context leaves
         sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(c: Output) -> dict | None:
             if not sampling.logprobs or not c.token_ids:
                 return None
-            return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
+            return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, api.pieces)
 
-        body = partial(self._body, rid, created)
+        body = partial(_body, api.model_name, rid, created)
 
         def render_at(index: int, _ids: list[int]):
             return chat_renderer(prompt, index, bool(req.stream), body, logprobs_of), ""
 
-        return await _respond(req, request, self._choices(req, [ids], sampling, rid, render_at))
+        choices = self._choices(api, req, [ids], sampling, rid, render_at)
+        return await _respond(req, request, choices)
 
-    def _body(self, rid: str, created: int, kind: str, choice: dict) -> dict:
-        return {
-            "id": rid,
-            "object": kind,
-            "created": created,
-            "model": self.api.model_name,
-            "choices": [choice],
-        }
+
+def _body(model_name: str, rid: str, created: int, kind: str, choice: dict) -> dict:
+    return {"id": rid, "object": kind, "created": created, "model": model_name,
+            "choices": [choice]}  # fmt: skip
 
 
 class _Guard:

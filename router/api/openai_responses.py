@@ -52,25 +52,24 @@ class _Turn:
 class ResponsesRoutes:
     """The endpoints, over the OpenAI routes' tokenization, checks and generation."""
 
-    def __init__(self, api: ApiContext, store_size: int):
-        self.api = api
+    def __init__(self, models, store_size: int):
+        self.models = models  # router.api.served_models: each request's model's ApiContext
         self.store = ResponseStore(store_size)
         self.seal = ReasoningSeal(ThinkingSigner())
 
     async def create(self, req: ResponsesRequest, request: Request):
-        api = self.api
-        api.check_model(req)
+        api = await self.models.context(req.model)
         problem = req.unsupported()
         if problem:
             raise RequestError(problem, "unsupported_parameter")
         functions = req.function_tools()
-        turn = self._plan(req, chat_tools(functions))
+        turn = self._plan(api, req, chat_tools(functions))
         max_new = api.tok.fit(len(turn.ids), req.max_output_tokens)
         sampling = req.sampling(max_new, turn.grammar)
         rid = new_id("resp")
         chunks = api.start(req, turn.ids, sampling, rid, route_key=req.prompt_cache_key)
         seal = self.seal if req.wants_encrypted_reasoning else None
-        head = self._head(req, rid, functions, sampling)
+        head = self._head(api, req, rid, functions, sampling)
         builder = ResponseBuilder(head, turn.prompt, seal, req.parallel_tool_calls is not False)
 
         def finished(last: Output) -> None:
@@ -88,8 +87,8 @@ class ResponsesRoutes:
             headers={"Cache-Control": "no-cache"},
         )  # fmt: skip
 
-    def _plan(self, req: ResponsesRequest, tools: list[dict] | None) -> _Turn:
-        tok = self.api.tok
+    def _plan(self, api: ApiContext, req: ResponsesRequest, tools: list[dict] | None) -> _Turn:
+        tok = api.tok
         prev = None
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id, "previous_response_id")
@@ -113,7 +112,8 @@ class ResponsesRoutes:
         )  # fmt: skip
         return _Turn(ids, prompt, grammar, messages, rendered[0])
 
-    def _head(self, req: ResponsesRequest, rid: str, functions: list[dict], sampling) -> dict:
+    def _head(self, api: ApiContext, req: ResponsesRequest, rid: str, functions: list[dict],
+              sampling) -> dict:  # fmt: skip
         """The Response's fields that do not depend on its output."""
         tools = [
             {"type": "function", "name": t["name"], "description": t.get("description"),
@@ -122,7 +122,7 @@ class ResponsesRoutes:
         ]  # fmt: skip
         reasoning = req.reasoning or {}
         return {
-            "id": rid, "object": "response", "model": self.api.model_name, "error": None,
+            "id": rid, "object": "response", "model": api.model_name, "error": None,
             "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls is not False,

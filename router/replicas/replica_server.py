@@ -271,6 +271,8 @@ def _nowait(sent: asyncio.Future) -> None:
 
 def replica_args_problem(args: ServerArgs) -> str | None:
     """The one line a replica exits 2 with, for flags that cannot work together."""
+    if len(args.model_paths) != 1:
+        return "a replica serves one model: give --model-path once"
     try:
         tcp_address(args.listen, "--listen")
     except ValueError as exc:

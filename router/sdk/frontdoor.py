@@ -35,7 +35,6 @@ from common.protocol import ProtocolError, decode, encode, peek_rid
 from router.api.generation import Tokenization, generate_text
 from router.metrics import track_finish
 from router.output import OutputAccumulator
-from router.replicas.manager import RouterManager
 from router.request_error import RequestError
 
 logger = logging.getLogger("router")
@@ -44,12 +43,12 @@ PROBE_RID = "\x00probe"  # no request uses it: SDK clients drop the probe
 
 
 class FrontDoor:
-    def __init__(self, address: str, manager: RouterManager, tokenizer, api_key: str | None = None):
+    def __init__(self, address: str, models, ctx: zmq.asyncio.Context,
+                 api_key: str | None = None):  # fmt: skip
+        """`models` (router.api.served_models): each request's model's ApiContext."""
         self.api_key = api_key
-        self.manager = manager
-        self.tokenizer = tokenizer
-        self.tok = Tokenization(tokenizer, manager)
-        self.sock = manager.ctx.socket(zmq.ROUTER)
+        self.models = models
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(address)
@@ -122,18 +121,19 @@ class FrontDoor:
         """Answer with each chunk if the request streams, else with the whole output."""
         acc, prompt_len = OutputAccumulator(), 0
         try:
-            ids = self._input_ids(msg)
+            api = await self.models.context(msg.model)
+            ids = _input_ids(api.strict_tok, msg)
             prompt_len = len(ids)
-            self.tok.check_ids(ids, msg.sampling)
+            api.strict_tok.check_ids(ids, msg.sampling)
             problem = salt_problem(msg.cache_salt)
             if problem:
                 raise RequestError(problem, param="cache_salt")
             rid = f"sdk-{uuid.uuid4().hex}"  # client rids are only unique per client
             chunks = generate_text(
-                self.manager, self.tokenizer, ids, msg.sampling, rid=rid,
+                api.manager, api.tokenizer, ids, msg.sampling, rid=rid,
                 cache_salt=msg.cache_salt or "",
             )  # fmt: skip
-            chunks = track_finish(chunks, self.manager.metrics, rid)
+            chunks = track_finish(chunks, api.manager.metrics, rid)
             async with contextlib.aclosing(chunks):
                 async for c in chunks:
                     acc.add(c)
@@ -152,16 +152,6 @@ class FrontDoor:
                 rest = dataclasses.replace(rest, finish_reason="abort", prompt_tokens=prompt_len)
                 await self._send(ident, _result(msg.rid, rest))
 
-    def _input_ids(self, msg: ClientGenerate) -> list[int]:
-        given = [x is not None for x in (msg.text, msg.input_ids, msg.messages)]
-        if sum(given) != 1:
-            raise RequestError("give exactly one of text, input_ids or messages")
-        if msg.text is not None:
-            return self.tok.encode_text(msg.text)
-        if msg.messages is not None:
-            return self.tok.encode_chat(msg.messages)
-        return list(msg.input_ids)
-
     async def _send(self, ident: bytes, msg) -> bool:
         try:
             await self.sock.send_multipart([ident, encode(msg)])
@@ -169,6 +159,17 @@ class FrontDoor:
         except zmq.ZMQError as exc:
             logger.info("SDK client vanished (%s); dropping its request", exc)
             return False
+
+
+def _input_ids(tok: Tokenization, msg: ClientGenerate) -> list[int]:
+    given = [x is not None for x in (msg.text, msg.input_ids, msg.messages)]
+    if sum(given) != 1:
+        raise RequestError("give exactly one of text, input_ids or messages")
+    if msg.text is not None:
+        return tok.encode_text(msg.text)
+    if msg.messages is not None:
+        return tok.encode_chat(msg.messages)
+    return list(msg.input_ids)
 
 
 def _result(rid: str, output: Output) -> ClientResult:

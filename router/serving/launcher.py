@@ -38,8 +38,10 @@ from common.messages import ModelIdentity
 from common.model_identity import model_identity
 from common.server_args import ServerArgs
 from common.trace import Trace
+from router.api.api_context import ApiContext
 from router.api.chat_overrides import apply_chat_overrides, chat_overrides
 from router.api.http_server import create_app
+from router.api.served_models import SingleModel
 from router.metrics import Metrics
 from router.replicas.manager import RouterManager
 from router.replicas.remote_replica import attach_remote_replicas
@@ -124,7 +126,7 @@ def _start_together(args: ServerArgs) -> bool:
     return args.dp_size <= 1 or args.max_total_tokens is not None
 
 
-class _Server(uvicorn.Server):
+class Server(uvicorn.Server):
     """uvicorn, leaving SIGINT and SIGTERM to us (`Shutdown`, on the loop): its own
     handlers run in signal context and re-raise what they caught once it stops."""
 
@@ -207,23 +209,20 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children],
     attach_remote_replicas(manager, args, identity, ctx)  # after the local ones: r{dp_size}...
     receiver = asyncio.create_task(manager.receive_loop())
     try:
-        failure = await _unless(shutdown.requested, _start_up(args, children, supervisor))
+        failure = await unless(shutdown.requested, _start_up(args, children, supervisor))
         if shutdown.requested.is_set():
             return 0
         if failure is not None:
             logger.error("start-up failed: %s", failure[1])
             return 1
         manager.serving()
-        zmq_port = args.zmq_port or args.port + 1
-        try:
-            address = f"tcp://{args.host}:{zmq_port}"
-            frontdoor = FrontDoor(address, manager, tokenizer, args.api_key)
-        except zmq.ZMQError as exc:  # taken while the model loaded (it was free before)
-            logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
+        models = SingleModel(ApiContext(manager, tokenizer, args, metrics))
+        frontdoor = open_frontdoor(args, models, ctx)
+        if frontdoor is None:
             return 2
         door = asyncio.create_task(frontdoor.serve())
-        server = shutdown.server = _Server(_http_config(args, manager, tokenizer, metrics))
-        watcher = asyncio.create_task(_supervise(supervisor, server))
+        server = shutdown.server = Server(http_config(args, models, metrics))
+        watcher = asyncio.create_task(supervise(supervisor, server))
         logger.info(
             "serving HTTP on http://%s:%d and the SDK on %s",
             args.host,
@@ -241,7 +240,18 @@ async def _main(args: ServerArgs, tokenizer, children: list[Children],
         manager.close()
 
 
-async def _unless(event: asyncio.Event, work):
+def open_frontdoor(args: ServerArgs, models, ctx: zmq.asyncio.Context) -> FrontDoor | None:
+    """The SDK's front door on --zmq-port; None (logged) when the port was taken while
+    the model loaded (it was free before)."""
+    zmq_port = args.zmq_port or args.port + 1
+    try:
+        return FrontDoor(f"tcp://{args.host}:{zmq_port}", models, ctx, args.api_key)
+    except zmq.ZMQError as exc:
+        logger.error("--zmq-port: cannot listen on %s:%d: %s", args.host, zmq_port, exc)
+        return None
+
+
+async def unless(event: asyncio.Event, work):
     """`work`'s result, or None as soon as `event` is set (then `work` is cancelled)."""
     task, stop = asyncio.create_task(work), asyncio.create_task(event.wait())
     try:
@@ -272,9 +282,9 @@ async def _start_up(args: ServerArgs, children: list[Children], supervision: Sup
     return failure
 
 
-def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Config:
+def http_config(args: ServerArgs, models, metrics) -> uvicorn.Config:
     return uvicorn.Config(
-        create_app(manager, tokenizer, args, metrics),
+        create_app(models, args, metrics),
         host=args.host,
         port=args.port,
         loop="none",
@@ -287,7 +297,7 @@ def _http_config(args: ServerArgs, manager, tokenizer, metrics) -> uvicorn.Confi
     )
 
 
-async def _supervise(supervisor: Supervision, server: uvicorn.Server) -> str:
+async def supervise(supervisor: Supervision, server: uvicorn.Server) -> str:
     """The supervisor's give-up line, logged, ends the server."""
     line = await supervisor.watch()
     if line:

@@ -60,10 +60,14 @@ def describe_exit(name: str, code: int | None) -> str:
 class Children:
     """One replica's worker and scheduler processes, started again as often as needed.
     `suffix` (`-r1`) names them apart in titles (`radix-mlx::worker-r1`) when there are
-    several replicas; `stopping` is shared by all of them."""
+    several replicas; `stopping` is shared by all of them. Without `standbys` a restart
+    spawns its children afresh (a model loaded on demand: its standbys would cost memory
+    and a loaded machine's cores for a restart that seldom comes)."""
 
-    def __init__(self, args: ServerArgs, endpoints: Endpoints, suffix: str = "", stopping=None):
+    def __init__(self, args: ServerArgs, endpoints: Endpoints, suffix: str = "", stopping=None,
+                 standbys: bool = True):  # fmt: skip
         self.args, self.endpoints, self.suffix = args, endpoints, suffix
+        self.with_standbys = standbys
         self.mp = multiprocessing.get_context("spawn")
         # set when the router starts to stop (see setup_child)
         self.stopping = stopping if stopping is not None else StopFlag(self.mp)
@@ -102,7 +106,8 @@ class Children:
     def spawn_standbys(self) -> None:
         """Spawn what the next restart releases (router.serving.standby); once serving, so the
         standbys' imports do not slow the start they are not part of."""
-        self.standbys.spawn(self._standby_roles())
+        if self.with_standbys:
+            self.standbys.spawn(self._standby_roles())
 
     def _process(self, name: str, release=None, spec=None) -> multiprocessing.process.BaseProcess:
         from scheduler.process import run_scheduler
