@@ -23,7 +23,10 @@ class ApiContext:
     def __init__(self, manager: RouterManager, tokenizer, args, metrics):
         self.manager, self.tokenizer, self.args, self.metrics = manager, tokenizer, args, metrics
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
-        self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
+        self.names = ModelNames(
+            args.served_model_names, args.model_alias or [], args.model_path,
+            [spec.name for spec in args.loras],
+        )  # fmt: skip
         self.model_name = self.names.reported  # the name responses report
 
     def check_model(self, req) -> None:
@@ -47,7 +50,9 @@ class ApiContext:
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         salt = request_salt(req.cache_salt)
+        lora = self.names.adapter(req.model)  # its LoRA adapter's id (0: the base model)
         chunks = generate_text(
-            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len, route_key
-        )
+            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len,
+            route_key, lora,
+        )  # fmt: skip
         return count_usage(track_finish(chunks, self.metrics, rid))

@@ -143,14 +143,22 @@ class _Routes:
             "max_model_len": self.manager.max_model_len,
         }
 
+    def _adapter_card(self, name: str) -> dict:
+        """A LoRA adapter's card: `parent` is the model it adapts."""
+        return self._card(name) | {"parent": self.api.names.reported}
+
     async def models(self):
-        return {"object": "list", "data": [self._card(name) for name in self.api.names.served]}
+        names = self.api.names
+        cards = [self._card(n) for n in names.served] + [self._adapter_card(n) for n in names.loras]
+        return {"object": "list", "data": cards}
 
     async def model(self, model_id: str):
         """A served name's card; an alias's is the same model's under the asked-for id."""
         if not model_id:
             raise RequestError("a model id is needed", "model_not_found", 404, param="model")
         self.api.names.check(model_id)
+        if self.api.names.adapter(model_id):
+            return self._adapter_card(model_id)
         return self._card(model_id)
 
     async def metrics_text(self):
