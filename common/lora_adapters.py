@@ -124,4 +124,6 @@ def check_loras(model_dir: str, specs: list[LoraSpec]) -> None:
     for spec in specs:
         problem = adapter_problem(model_dir, spec.path)
         if problem:
-            raise ValueError(f"--lora {spec.name}={spec.path}: cannot serve this adapter: {problem}")
+            raise ValueError(
+                f"--lora {spec.name}={spec.path}: cannot serve this adapter: {problem}"
+            )

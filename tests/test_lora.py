@@ -18,19 +18,6 @@ from tests.test_scheduler_policy import make_scheduler, run_step
 STEPS = 10
 
 
-@pytest.fixture(scope="session")
-def adapters(tiny_model, model_cache) -> list[str]:
-    """Two seeded adapters of the tiny model (q_proj and v_proj of both layers)."""
-    from pathlib import Path
-
-    from common.tiny_adapter import build_tiny_adapter
-
-    return [
-        str(build_tiny_adapter(tiny_model, Path(model_cache) / f"lora-tiny-s{seed}", seed=seed))
-        for seed in (1, 2)
-    ]
-
-
 @functools.cache
 def _adapter_model(model: str, adapter: str | None):
     from mlx_lm import load
@@ -95,9 +82,7 @@ def test_a_batch_mixing_base_rows_and_two_adapters_matches_mlx_lm_row_by_row(
     assert h.out["r1"] != base  # the adapter changes the tokens: the test can tell them apart
 
 
-def test_an_adapter_of_another_base_is_refused_with_what_differs(
-    tiny_model, adapters, model_cache
-):
+def test_an_adapter_of_another_base_is_refused_with_what_differs(tiny_model, adapters, model_cache):
     from common.tiny_model import ensure_tiny_model
 
     assert adapter_problem(tiny_model, adapters[0]) is None

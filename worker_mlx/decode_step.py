@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from worker_mlx.kv_pool import KVLayout
 from worker_mlx.layer_caches import StateCache, StepCache, StepColumns
-from worker_mlx.lora import LoraBank, NoLora
+from worker_mlx.lora import NO_LORA, LoraBank, NoLora
 
 # Attention width granularity: masked columns past the current one cost attention work
 # (at batch 8 and 300 tokens, 256-column steps made a decode step 25% slower than 64).
@@ -53,7 +53,7 @@ class DecodeStep:
 
     def __init__(
         self, model: nn.Module, compile: bool, layout: KVLayout, max_traces: int = MAX_TRACES,
-        lora: LoraBank | NoLora = NoLora(),
+        lora: LoraBank | NoLora = NO_LORA,
     ):  # fmt: skip
         self.model = model
         self.lora = lora  # the rows' adapters: the runner's bank, bound in the traced step

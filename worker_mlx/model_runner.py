@@ -20,7 +20,7 @@ from worker_mlx.extend_pass import ExtendPlan, passes
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
-from worker_mlx.lora import LoraBank, NoLora
+from worker_mlx.lora import NO_LORA, LoraBank, NoLora
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.prompt_logprobs import prompt_logprobs
 from worker_mlx.sampler import KeySource
@@ -54,7 +54,7 @@ class ModelRunner:
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
         pad_prefill: bool = True, pipeline_stage: bool = False, memory=None,
-        lora: LoraBank | NoLora = NoLora(),
+        lora: LoraBank | NoLora = NO_LORA,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -285,8 +285,7 @@ class ModelRunner:
         requests or `joining` ones."""
         of = {s.rid: s.lora for s in joining}
         return [
-            0 if rid is None else of[rid] if rid in of else self.decodings[rid].lora
-            for rid in rids
+            0 if rid is None else of[rid] if rid in of else self.decodings[rid].lora for rid in rids
         ]
 
     def run_ahead(self) -> None:

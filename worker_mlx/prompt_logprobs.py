@@ -15,14 +15,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 from common.messages import ExtendReq
-from worker_mlx.lora import NoLora
+from worker_mlx.lora import NO_LORA
 from worker_mlx.sampler import logprobs
 
 BLOCK = 256  # positions projected to the vocabulary at a time
 
 
 def prompt_logprobs(
-    body, head, reqs: list[ExtendReq], rids: list[str], lora=NoLora()
+    body, head, reqs: list[ExtendReq], rids: list[str], lora=NO_LORA
 ) -> list[list | None]:
     """Per sampled row (`rids`, the step's order): None, or the request's prompt logprobs
     as [[logprob, [[token_id, logprob], ...]], ...] for prompt tokens 1..n-1 (with its
