@@ -69,6 +69,7 @@ class Scheduler:
         self.decode_rows = 0
         self._decode_log = (time.monotonic(), 0, 0)
         self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
+        self.num_loras = len(args.loras)  # LoRA adapter ids are 1..num_loras (0: none)
         # --max-memory: what each step may hold (None: a worker that reports no figures)
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
 
@@ -95,7 +96,7 @@ class Scheduler:
             return "duplicate_request_id", f"request id {msg.rid!r} is already in use"
         if n == 0:
             return "invalid_request_error", "the prompt has no tokens"
-        if not 0 <= msg.lora <= len(self.args.loras):
+        if not 0 <= msg.lora <= self.num_loras:
             return "model_not_found", f"no LoRA adapter of id {msg.lora} is loaded"
         try:
             msg.sampling.validate()

@@ -159,3 +159,37 @@ def test_a_batch_holds_at_most_max_loras_per_batch_adapters():
             seen.append({r.lora for r in rows})
         s.take_outputs()
     assert {3} in seen  # once the others ended
+
+
+def test_adapters_of_other_ranks_and_layers_share_a_batch(tiny_model, adapters, model_cache):
+    """A rank-2 adapter of the MLP's down_proj and o_proj in the last layer beside a
+    rank-4 one of q_proj and v_proj: each layer's stack pads the smaller rank and holds
+    zeros for the adapter that leaves it alone; every row stays token-exact."""
+    from pathlib import Path
+
+    from common.tiny_adapter import build_tiny_adapter
+
+    keys = ("mlp.down_proj", "self_attn.o_proj")
+    other = str(build_tiny_adapter(tiny_model, Path(model_cache) / "lora-tiny-mlp", seed=3,
+                                   rank=2, num_layers=1, keys=keys))  # fmt: skip
+    h = lora_harness(tiny_model, [adapters[0], other], compile_decode=True)
+    rng = random.Random(8)
+    lora = {f"r{i}": i % 3 for i in range(6)}
+    prompts = {rid: random_prompt(rng, rng.randint(3, 30), h.vocab) for rid in lora}
+    _start(h, prompts, lora)
+    for _ in range(STEPS - 1):
+        h.decode()
+    for rid, prompt in prompts.items():
+        path = [None, adapters[0], other][lora[rid]]
+        assert h.out[rid] == adapter_greedy(tiny_model, path, prompt, STEPS), rid
+
+
+def test_lora_with_speculation_or_a_distributed_worker_is_refused():
+    from common.server_args import ServerArgs
+
+    for extra in ({"speculative_algorithm": "ngram"}, {"tp_size": 2}):
+        args = ServerArgs(model_path="m", lora=["a=/x"], **extra)
+        with pytest.raises(ValueError, match="--lora with"):
+            args.validate()
+    with pytest.raises(ValueError, match="--max-loras-per-batch"):
+        ServerArgs(model_path="m", max_loras_per_batch=0).validate()

@@ -66,7 +66,8 @@ def resolve_args(args: ServerArgs, command: str | None) -> ServerArgs:
         check_loras(model_dir, args.loras)  # an adapter of another base: refused here
     except (ValueError, ModelNotFound) as exc:
         raise Refused(str(exc), 1) from None
-    return dataclasses.replace(args, model_path=model_dir)
+    loras = [f"{s.name}={os.path.abspath(s.path)}" for s in args.loras] or args.lora
+    return dataclasses.replace(args, model_path=model_dir, lora=loras)
 
 
 def load_tokenizer(model_dir: str):
