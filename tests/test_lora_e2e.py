@@ -99,7 +99,11 @@ def test_models_lists_the_adapters_with_their_parent(lora_server, tiny_model):
     assert cards["a1"].parent == base and cards["a2"].parent == base
     assert client.models.retrieve("a2").parent == base
     res = client.completions.create(model="a1", prompt="hello", max_tokens=3, temperature=0)
-    assert res.usage.completion_tokens == 3
+    assert res.usage.completion_tokens == 3 and res.model == "a1"
+    chat = client.chat.completions.create(
+        model=f"{base}:a2", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert chat.usage.completion_tokens == 3 and chat.model == "a2"
 
 
 def test_an_adapter_of_another_base_is_refused_at_start_up(adapters, model_cache):

@@ -237,7 +237,7 @@ class _Routes:
         sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        body = partial(self._body, rid, created)
+        body = partial(self._body, rid, created, self.api.names.reported_for(req.model))
         logprobs = bool(sampling.logprobs)
 
         def render_at(index: int, ids: list[int]):
@@ -269,19 +269,19 @@ class _Routes:
                 return None
             return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, self.pieces)
 
-        body = partial(self._body, rid, created)
+        body = partial(self._body, rid, created, self.api.names.reported_for(req.model))
 
         def render_at(index: int, _ids: list[int]):
             return chat_renderer(prompt, index, bool(req.stream), body, logprobs_of), ""
 
         return await _respond(req, request, self._choices(req, [ids], sampling, rid, render_at))
 
-    def _body(self, rid: str, created: int, kind: str, choice: dict) -> dict:
+    def _body(self, rid: str, created: int, model: str, kind: str, choice: dict) -> dict:
         return {
             "id": rid,
             "object": kind,
             "created": created,
-            "model": self.api.model_name,
+            "model": model,
             "choices": [choice],
         }
 

@@ -28,6 +28,12 @@ class ModelNames:
             return True
         return any(fnmatchcase(name, pattern) for pattern in self.aliases)
 
+    def reported_for(self, name: str | None) -> str:
+        """The model a response to a request naming `name` reports: the adapter's name for
+        an adapter's request, else the served name."""
+        lora = self.adapter(name)
+        return self.loras[lora - 1] if lora else self.reported
+
     def adapter(self, name: str | None) -> int | None:
         """The LoRA adapter id a request naming `name` runs (0: the base model); None if
         `name` is neither the model nor one of its adapters."""
