@@ -193,3 +193,23 @@ def test_lora_with_speculation_or_a_distributed_worker_is_refused():
             args.validate()
     with pytest.raises(ValueError, match="--max-loras-per-batch"):
         ServerArgs(model_path="m", max_loras_per_batch=0).validate()
+
+
+def test_prompt_logprobs_of_an_adapter_row_are_the_adapters(tiny_model, adapters):
+    """The prompt's own logprobs run the prompt once more: with the row's adapter, so
+    they are log_softmax of mlx-lm's logits with that adapter applied."""
+    import mlx.core as mx
+
+    from common.messages import ExtendBatch
+
+    h = lora_harness(tiny_model, adapters, compile_decode=True)
+    asks = SamplingParams(temperature=0, max_new_tokens=2, prompt_logprobs=True)
+    prompt = [(13 * i + 5) % h.vocab for i in range(20)]
+    rows = [dataclasses.replace(h.ereq(f"p{i}", prompt, sampling=asks), lora=i) for i in (0, 2)]
+    out = h.runner.extend(ExtendBatch(1, rows))
+    for got, adapter in zip(out.prompt_logprobs, [None, adapters[1]]):
+        logits = _adapter_model(tiny_model, adapter)(mx.array([prompt]))[0]
+        lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+        want = [lp[i][prompt[i + 1]] for i in range(len(prompt) - 1)]
+        assert all(abs(g[0] - w) < 1e-4 for g, w in zip(got, want))
+    assert abs(out.prompt_logprobs[0][3][0] - out.prompt_logprobs[1][3][0]) > 1e-3
