@@ -99,7 +99,8 @@ def build_prefill(
         if admitted is None:
             break
         req.memory_blocked = 0.0
-        adapters.add(req.lora) if req.lora else None
+        if req.lora:
+            adapters.add(req.lora)
         # the admission's own match decides (an earlier one in this batch may have evicted
         # part of the prefix matched above)
         take, prefix = len(admitted.out_cache_loc), admitted.prefix_slot_ids

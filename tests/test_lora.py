@@ -213,3 +213,20 @@ def test_prompt_logprobs_of_an_adapter_row_are_the_adapters(tiny_model, adapters
         want = [lp[i][prompt[i + 1]] for i in range(len(prompt) - 1)]
         assert all(abs(g[0] - w) < 1e-4 for g, w in zip(got, want))
     assert abs(out.prompt_logprobs[0][3][0] - out.prompt_logprobs[1][3][0]) > 1e-3
+
+
+def test_adapter_names_go_before_alias_globs():
+    from router.api.model_names import ModelNames
+
+    names = ModelNames(["m"], ["*"], "/models/m", ["a", "b"])
+    assert [names.adapter(n) for n in ("a", "m:b", "b", "m", "claude-x", None)] == [
+        1,
+        2,
+        2,
+        0,
+        0,
+        0,
+    ]
+    assert names.reported_for("m:b") == "b" and names.reported_for("claude-x") == "m"
+    strict = ModelNames(["m"], [], "/models/m", ["a"])
+    assert strict.adapter("x:a") is None and strict.adapter("c") is None

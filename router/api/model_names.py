@@ -36,13 +36,12 @@ class ModelNames:
 
     def adapter(self, name: str | None) -> int | None:
         """The LoRA adapter id a request naming `name` runs (0: the base model); None if
-        `name` is neither the model nor one of its adapters."""
-        if self.accepts(name):
-            return 0
+        `name` is neither the model nor one of its adapters. An adapter's own name goes
+        before the alias globs (`--model-alias '*'` takes every other name)."""
         base, _, lora = (name or "").rpartition(":")
         if lora in self.loras and (not base or self.accepts(base)):
             return self.loras.index(lora) + 1
-        return None
+        return 0 if self.accepts(name) else None
 
     def check(self, name: str | None) -> None:
         if self.adapter(name) is None:
