@@ -41,7 +41,7 @@ def tiny_llama(model_cache) -> str:
 
 
 @pytest.fixture(scope="session")
-def adapters(tiny_model, model_cache) -> list[str]:
+def tiny_adapters(tiny_model, model_cache) -> list[str]:
     """Two seeded LoRA adapters of the tiny model (q_proj and v_proj of both layers)."""
     from pathlib import Path
 

@@ -57,12 +57,12 @@ def _start(h: Harness, prompts: dict[str, list[int]], lora: dict[str, int]) -> N
 
 @pytest.mark.parametrize("compile_decode", [True, False], ids=["compiled", "eager"])
 def test_a_batch_mixing_base_rows_and_two_adapters_matches_mlx_lm_row_by_row(
-    tiny_model, adapters, compile_decode
+    tiny_model, tiny_adapters, compile_decode
 ):
     """One prefill and one decode step per step for all rows: base rows and rows of two
     adapters, each token-exact against mlx-lm with that adapter (or none); a row of each
     joins later, taking dead rows of the decode buffer."""
-    h = lora_harness(tiny_model, adapters, compile_decode)
+    h = lora_harness(tiny_model, tiny_adapters, compile_decode)
     rng = random.Random(7)
     lora = {f"r{i}": i % 3 for i in range(9)}
     prompts = {rid: random_prompt(rng, rng.randint(3, 30), h.vocab) for rid in lora}
@@ -75,22 +75,24 @@ def test_a_batch_mixing_base_rows_and_two_adapters_matches_mlx_lm_row_by_row(
     while any(len(h.out[rid]) < STEPS for rid in h.running):
         h.decode()
     for rid, prompt in prompts.items():
-        path = adapters[lora[rid] - 1] if lora[rid] else None
+        path = tiny_adapters[lora[rid] - 1] if lora[rid] else None
         got = h.out[rid]
         assert got == adapter_greedy(tiny_model, path, prompt, len(got)), rid
     base = adapter_greedy(tiny_model, None, prompts["r1"], STEPS)
     assert h.out["r1"] != base  # the adapter changes the tokens: the test can tell them apart
 
 
-def test_an_adapter_of_another_base_is_refused_with_what_differs(tiny_model, adapters, model_cache):
+def test_an_adapter_of_another_base_is_refused_with_what_differs(
+    tiny_model, tiny_adapters, model_cache
+):
     from common.tiny_model import ensure_tiny_model
 
-    assert adapter_problem(tiny_model, adapters[0]) is None
+    assert adapter_problem(tiny_model, tiny_adapters[0]) is None
     other = str(ensure_tiny_model(model_cache, preset="small"))
-    problem = adapter_problem(other, adapters[0])
+    problem = adapter_problem(other, tiny_adapters[0])
     assert "an adapter of another base" in problem and "64 -> 64" in problem
     with pytest.raises(ValueError, match="--lora x=.*cannot serve this adapter"):
-        check_loras(other, [LoraSpec("x", adapters[0])])
+        check_loras(other, [LoraSpec("x", tiny_adapters[0])])
     assert "no adapter_config.json" in adapter_problem(tiny_model, tiny_model)
 
 
@@ -161,7 +163,7 @@ def test_a_batch_holds_at_most_max_loras_per_batch_adapters():
     assert {3} in seen  # once the others ended
 
 
-def test_adapters_of_other_ranks_and_layers_share_a_batch(tiny_model, adapters, model_cache):
+def test_adapters_of_other_ranks_and_layers_share_a_batch(tiny_model, tiny_adapters, model_cache):
     """A rank-2 adapter of the MLP's down_proj and o_proj in the last layer beside a
     rank-4 one of q_proj and v_proj: each layer's stack pads the smaller rank and holds
     zeros for the adapter that leaves it alone; every row stays token-exact."""
@@ -172,7 +174,7 @@ def test_adapters_of_other_ranks_and_layers_share_a_batch(tiny_model, adapters, 
     keys = ("mlp.down_proj", "self_attn.o_proj")
     other = str(build_tiny_adapter(tiny_model, Path(model_cache) / "lora-tiny-mlp", seed=3,
                                    rank=2, num_layers=1, keys=keys))  # fmt: skip
-    h = lora_harness(tiny_model, [adapters[0], other], compile_decode=True)
+    h = lora_harness(tiny_model, [tiny_adapters[0], other], compile_decode=True)
     rng = random.Random(8)
     lora = {f"r{i}": i % 3 for i in range(6)}
     prompts = {rid: random_prompt(rng, rng.randint(3, 30), h.vocab) for rid in lora}
@@ -180,7 +182,7 @@ def test_adapters_of_other_ranks_and_layers_share_a_batch(tiny_model, adapters, 
     for _ in range(STEPS - 1):
         h.decode()
     for rid, prompt in prompts.items():
-        path = [None, adapters[0], other][lora[rid]]
+        path = [None, tiny_adapters[0], other][lora[rid]]
         assert h.out[rid] == adapter_greedy(tiny_model, path, prompt, STEPS), rid
 
 
@@ -195,19 +197,19 @@ def test_lora_with_speculation_or_a_distributed_worker_is_refused():
         ServerArgs(model_path="m", max_loras_per_batch=0).validate()
 
 
-def test_prompt_logprobs_of_an_adapter_row_are_the_adapters(tiny_model, adapters):
+def test_prompt_logprobs_of_an_adapter_row_are_the_adapters(tiny_model, tiny_adapters):
     """The prompt's own logprobs run the prompt once more: with the row's adapter, so
     they are log_softmax of mlx-lm's logits with that adapter applied."""
     import mlx.core as mx
 
     from common.messages import ExtendBatch
 
-    h = lora_harness(tiny_model, adapters, compile_decode=True)
+    h = lora_harness(tiny_model, tiny_adapters, compile_decode=True)
     asks = SamplingParams(temperature=0, max_new_tokens=2, prompt_logprobs=True)
     prompt = [(13 * i + 5) % h.vocab for i in range(20)]
     rows = [dataclasses.replace(h.ereq(f"p{i}", prompt, sampling=asks), lora=i) for i in (0, 2)]
     out = h.runner.extend(ExtendBatch(1, rows))
-    for got, adapter in zip(out.prompt_logprobs, [None, adapters[1]]):
+    for got, adapter in zip(out.prompt_logprobs, [None, tiny_adapters[1]]):
         logits = _adapter_model(tiny_model, adapter)(mx.array([prompt]))[0]
         lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
         want = [lp[i][prompt[i + 1]] for i in range(len(prompt) - 1)]

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_model, adapters, tmp_path_factory):
-    extra = ["--max-total-tokens", "8192", "--lora", f"a1={adapters[0]}", "--lora",
-             f"a2={adapters[1]}"]  # fmt: skip
+def lora_server(tiny_model, tiny_adapters, tmp_path_factory):
+    extra = ["--max-total-tokens", "8192", "--lora", f"a1={tiny_adapters[0]}", "--lora",
+             f"a2={tiny_adapters[1]}"]  # fmt: skip
     server = ServerProcess(tiny_model, tmp_path_factory.mktemp("lora") / "server.log", extra)
     server.start()
     yield server
@@ -40,21 +40,22 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def test_each_adapter_and_the_base_match_mlx_lm(lora_server, tiny_model, adapters):
+def test_each_adapter_and_the_base_match_mlx_lm(lora_server, tiny_model, tiny_adapters):
     base = os.path.basename(tiny_model)
     prompt = _prompt(1)
-    cases = [(base, None), ("a1", adapters[0]), ("a2", adapters[1]), (f"{base}:a1", adapters[0])]
+    a1, a2 = tiny_adapters
+    cases = [(base, None), ("a1", a1), ("a2", a2), (f"{base}:a1", a1)]
     for model, adapter in cases:
         got = _complete(lora_server, model, prompt, 10)["choices"][0]["token_ids"]
         assert got == adapter_greedy(tiny_model, adapter, prompt, 10), model
 
 
 def test_concurrent_requests_of_two_adapters_and_the_base_match_mlx_lm(
-    lora_server, tiny_model, adapters
+    lora_server, tiny_model, tiny_adapters
 ):
     base = os.path.basename(tiny_model)
     jobs = [(m, a, _prompt(10 + i)) for i, (m, a) in enumerate(
-        [(base, None), ("a1", adapters[0]), ("a2", adapters[1])] * 3)]  # fmt: skip
+        [(base, None), ("a1", tiny_adapters[0]), ("a2", tiny_adapters[1])] * 3)]  # fmt: skip
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: _complete(lora_server, j[0], j[2], 8), jobs))
     for (_, adapter, prompt), res in zip(jobs, results):
@@ -62,15 +63,15 @@ def test_concurrent_requests_of_two_adapters_and_the_base_match_mlx_lm(
 
 
 def test_a_prefix_cached_under_one_adapter_serves_that_adapter_only(
-    lora_server, tiny_model, adapters
+    lora_server, tiny_model, tiny_adapters
 ):
     base = os.path.basename(tiny_model)
     prompt = _prompt(99, 40)
 
     def cached(model: str) -> int:
         res = _complete(lora_server, model, prompt, 4)
-        want = adapter_greedy(tiny_model, {"a1": adapters[0], "a2": adapters[1]}.get(model),
-                              prompt, 4)  # fmt: skip
+        adapter = dict(zip(["a1", "a2"], tiny_adapters)).get(model)
+        want = adapter_greedy(tiny_model, adapter, prompt, 4)
         assert res["choices"][0]["token_ids"] == want, model
         return res["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -106,13 +107,13 @@ def test_models_lists_the_adapters_with_their_parent(lora_server, tiny_model):
     assert chat.usage.completion_tokens == 3 and chat.model == "a2"
 
 
-def test_an_adapter_of_another_base_is_refused_at_start_up(adapters, model_cache):
+def test_an_adapter_of_another_base_is_refused_at_start_up(tiny_adapters, model_cache):
     from common.tiny_model import ensure_tiny_model
 
     other = str(ensure_tiny_model(model_cache, preset="small"))
-    port = str(free_ports(1)[0])
+    port, lora = str(free_ports(1)[0]), f"x={tiny_adapters[0]}"
     out = subprocess.run(
-        [RADIX_MLX, "serve", "--model-path", other, "--port", port, "--lora", f"x={adapters[0]}"],
+        [RADIX_MLX, "serve", "--model-path", other, "--port", port, "--lora", lora],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode != 0 and "Traceback" not in out.stderr
