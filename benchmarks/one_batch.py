@@ -15,6 +15,9 @@ prints the decode step of each and the collectives' share (benchmarks/ranks.py).
 Decode steps run with the server's lookahead unless --no-overlap. With --kv-cache-dtype
 A B ... each pool storage gets its own pool and runner, their rounds alternate in one run,
 and each one's decode step and tokens per byte of pool are printed against the first's.
+With --loras N a runner whose rows run N seeded LoRA adapters of the model in turn
+(common/tiny_adapter.py; rank 8 on q_proj and v_proj of every layer) alternates with the
+first storage's plain runner, and its decode step is printed against the plain one's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from benchmarks import ranks  # noqa: E402
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams  # noqa: E402
 from worker_mlx.backends import Backend, select  # noqa: E402
 from worker_mlx.kv_pool import MlxKVPool  # noqa: E402
+from worker_mlx.lora import NO_LORA, make_bank  # noqa: E402
 from worker_mlx.model_probe import probe_kv_layout  # noqa: E402
 from worker_mlx.model_runner import ModelRunner  # noqa: E402
 
@@ -64,10 +68,12 @@ def run_batch(runner, slots, prompts, prefix_slots, output_len, tag, overlap=Tru
     """Extend `prompts` (after `prefix_slots`), decode `output_len - 1` steps, time both.
     With `overlap` each decode step is followed by the lookahead the server's worker runs
     while the scheduler works (`run_ahead`), so a step costs what it costs in the server."""
+    n = runner.lora.count  # row i runs adapter 1 + i % n (with --loras)
     reqs = [
-        ExtendReq(f"{tag}-{i}", p, list(prefix_slots), slots.take(len(p)), GREEDY)
+        ExtendReq(f"{tag}-{i}", p, list(prefix_slots), slots.take(len(p)), GREEDY,
+                  lora=1 + i % n if n else 0)
         for i, p in enumerate(prompts)
-    ]
+    ]  # fmt: skip
     rids = [r.rid for r in reqs]
     start = time.perf_counter()
     runner.extend(ExtendBatch(0, reqs))
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     uninstall = backend.install(model)
     print(f"model {path}: {layout}, BLAS: {BLAS}, backend {backend.describe()}")
     try:
-        results = _benchmark(model, layout, args, backend)
+        results = _benchmark(model, layout, args, backend, path)
     finally:
         uninstall()  # mlx's own kernels and cache limit from here on, as mlx-lm users run it
     run = f"{time.time():.0f}-{os.getpid()}"  # which rows one command appended
@@ -180,24 +186,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return results
 
 
-def _benchmark(model, layout, args: argparse.Namespace, backend: Backend) -> list[dict]:
-    """A warm-up pass per batch size and pool storage, then `rounds` benchmark passes with
-    batch sizes and storages in turn (so noise spreads over all of them); one row per
-    storage and batch size, its median pass."""
+def _benchmark(model, layout, args: argparse.Namespace, backend: Backend, path) -> list[dict]:
+    """A warm-up pass per batch size and pool storage (and the LoRA runner), then `rounds`
+    benchmark passes with batch sizes and setups in turn (so noise spreads over all of
+    them); one row per setup and batch size, its median pass."""
     need = (
         args.cached_prefix_len
         + (args.rounds + 1) * sum(args.batch_size) * (args.input_len + args.output_len)
         + 64
     )
-    setups = {}  # storage -> (runner, slots, the cached prefix's slots)
-    for kv_dtype in args.kv_cache_dtype:
+    setups = {}  # storage (or "<storage>+N LoRAs") -> (runner, slots, the prefix's slots)
+    kinds = [(d, NO_LORA) for d in args.kv_cache_dtype]
+    if args.loras:
+        kinds.append((args.kv_cache_dtype[0], make_bank(model, _adapters(path, args.loras))))
+    for kv_dtype, lora in kinds:
         pool = MlxKVPool(dataclasses.replace(layout, kv_cache_dtype=kv_dtype), need)
         runner = ModelRunner(
             model, pool, model.args.vocab_size, prefill_step=backend.prefill_step,
-            compile_decode=backend.compile_decode, pipeline_stage=args.pp_size > 1,
+            compile_decode=backend.compile_decode, pipeline_stage=args.pp_size > 1, lora=lora,
         )  # fmt: skip
         slots = SlotList(need)
-        setups[kv_dtype] = runner, slots, _cached_prefix(runner, slots, args)
+        label = f"{kv_dtype}+{lora.count} LoRAs" if lora.count else kv_dtype
+        setups[label] = runner, slots, _cached_prefix(runner, slots, args)
     prompts = {bs: _prompts(bs, args) for bs in args.batch_size}
     timed: dict[tuple[str, int], list[dict]] = {}
     for tag, rounds in (("warmup", 1), ("benchmark", args.rounds)):
@@ -224,7 +234,9 @@ def _benchmark(model, layout, args: argparse.Namespace, backend: Backend) -> lis
             output_len=args.output_len,
             cached_prefix_len=args.cached_prefix_len,
             rounds=args.rounds,
-            kv_cache_dtype=kv_dtype,
+            kv_cache_dtype=runner.pool.layout.kv_cache_dtype,
+            setup=kv_dtype,
+            loras=runner.lora.count,
             kv_bytes_per_token=runner.pool.layout.bytes_per_slot,
         )
         rows.append(row)
@@ -237,8 +249,9 @@ def _each(setups: dict, batch_sizes: list[int]) -> list:
 
 
 def _print_storage_ratios(rows: list[dict]) -> None:
-    """Each storage's decode step and tokens per pool byte against the first storage's, at
-    the same batch size (kept in its row for the JSONL)."""
+    """Each setup's decode step and tokens per pool byte against the first storage's, at
+    the same batch size (kept in its row for the JSONL); the LoRA runner's is its step
+    against the plain one's."""
     first = {}
     for row in rows:
         base = first.setdefault(row["batch_size"], row)
@@ -251,7 +264,7 @@ def _print_storage_ratios(rows: list[dict]) -> None:
             base["kv_bytes_per_token"] / row["kv_bytes_per_token"]
         )
         print(
-            f"{row['kv_cache_dtype']} / {base['kv_cache_dtype']}, batch size "
+            f"{row['setup']} / {base['setup']}, batch size "
             f"{row['batch_size']}: decode step {step:.3f}x, tokens in the same memory {room:.2f}x"
         )
 
@@ -306,7 +319,7 @@ def _print_scaling(rows: list[dict]) -> None:
     faster batch 1 makes the ratio smaller. Per pool storage."""
     firsts: dict[str, dict] = {}
     for row in rows:
-        first = firsts.setdefault(row["kv_cache_dtype"], row)
+        first = firsts.setdefault(row["setup"], row)
         if first is row:
             continue
         ratio = row["median_decode_throughput"] / first["median_decode_throughput"]
@@ -322,6 +335,22 @@ def _print_scaling(rows: list[dict]) -> None:
 
 def _mlx_lm_throughput(row: dict) -> float:
     return row["batch_size"] / row["mlx_lm_median_decode_latency"]
+
+
+def _adapters(path: str, n: int) -> list:
+    """`n` seeded rank-8 adapters of the model at `path` (q_proj, v_proj, every layer)."""
+    import tempfile
+
+    from common.lora_adapters import LoraSpec
+    from common.tiny_adapter import build_tiny_adapter
+
+    root = tempfile.mkdtemp(prefix="radix-mlx-loras-")
+    layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+    return [
+        LoraSpec(f"l{i}", str(build_tiny_adapter(path, f"{root}/l{i}", seed=i, rank=8,
+                                                 num_layers=layers)))
+        for i in range(1, n + 1)
+    ]  # fmt: skip
 
 
 def _preset_model(preset: str):
@@ -363,6 +392,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="benchmark passes per batch size, batch sizes taken in turn; figures are the "
         "median pass (on a noisy machine one pass can be 30%% off)",
+    )
+    p.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time rows running N LoRA adapters in turn against plain rows",
     )
     p.add_argument("--tp-size", type=int, default=1, help="as the server flag (see ranks.py)")
     p.add_argument("--pp-size", type=int, default=1, help="as the server flag (see ranks.py)")

@@ -23,15 +23,26 @@ MAX_CACHE_SALT_CHARS = 1024  # a salt is an id or a key's digest, not a document
 def salt_namespace(salt: str | None) -> int:
     """The trie's namespace key of `salt`: 0 (the shared, unsalted cache) for none or
     "", else a negative int."""
-    if not salt:
+    return cache_namespace(salt, 0)
+
+
+def cache_namespace(salt: str | None, lora: int) -> int:
+    """The namespace of a request under `salt` running LoRA adapter `lora` (0: none): a
+    request's KV depends on its adapter, so prefixes are shared within one adapter and
+    salt only. 0 for neither, else a negative int."""
+    if not salt and not lora:
         return 0
-    digest = hashlib.blake2b(salt.encode("utf-8"), digest_size=8).digest()
+    key = (salt or "").encode("utf-8")
+    if lora:  # 0xff never occurs in UTF-8: no salt's bytes spell an adapter's namespace
+        key += b"\xfflora" + str(lora).encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
     return -1 - (int.from_bytes(digest, "big") >> 2)  # in [-2**62, -1]: a msgpack int64
 
 
-def salted_key(tokens: list[int], salt: str | None) -> list[int]:
-    """The radix key of a prompt under `salt`: the tokens, behind their namespace key."""
-    return namespaced_key(tokens, salt_namespace(salt))
+def salted_key(tokens: list[int], salt: str | None, lora: int = 0) -> list[int]:
+    """The radix key of a prompt under `salt` and adapter `lora`: the tokens, behind their
+    namespace key."""
+    return namespaced_key(tokens, cache_namespace(salt, lora))
 
 
 def namespaced_key(tokens: list[int], namespace: int) -> list[int]:

@@ -43,6 +43,9 @@ class GenerateReq:
     # The prompt's first tokens to keep cached ahead of others (Anthropic's cache_control
     # breakpoints: up to the end of the last marked block).
     priority_prefix_len: int = 0
+    # The LoRA adapter it runs with: its id, the --lora flags' order from 1 (0: the base
+    # model). Part of its cache namespace: prefixes are shared within one adapter only.
+    lora: int = 0
 
 
 @dataclass
@@ -169,6 +172,8 @@ class ExtendReq:
     state_slot: int = 0
     prefix_state: int = 0
     snapshots: list[list[int]] = field(default_factory=list)
+    # Its LoRA adapter's id (GenerateReq.lora; 0: none), the same in every chunk.
+    lora: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.addresses import MAX_PORT, check_port, tcp_address
+from common.lora_adapters import LoraSpec, parse_lora_flags
 from common.sizes import parse_size
 
 REQUIRED: Any = dataclasses.MISSING
@@ -240,6 +241,17 @@ class ServerArgs:
         "/v1/responses/{id} (least recently used first out; 0: none)",
         commands=SERVE,
     )
+    lora: list[str] | None = flag(
+        None,
+        "serve the LoRA adapter at PATH (what mlx_lm.lora writes) as model NAME, or "
+        "BASE:NAME; requests of different adapters and of the base share batches "
+        "(repeatable)",
+        metavar="NAME=PATH",
+        action="extend",
+    )
+    max_loras_per_batch: int = flag(
+        4, "most distinct LoRA adapters in one prefill or decode batch (with --lora)"
+    )
     watchdog_timeout: float = flag(
         300.0, "seconds a worker step may take before the worker counts as hung and is restarted"
     )
@@ -367,6 +379,16 @@ class ServerArgs:
             )
         if self.served_model_name is not None and not all(self.served_model_name or [""]):
             raise ValueError("--served-model-name needs a non-empty name")
+        if self.max_loras_per_batch < 1:
+            raise ValueError("--max-loras-per-batch must be >= 1")
+        if self.lora and self.speculative_algorithm != "none":
+            raise ValueError(
+                "--lora with --speculative-algorithm is not supported yet: the verify "
+                "step and the draft model do not apply adapters"
+            )
+        if self.lora and self.group_size > 1:
+            raise ValueError("--lora with --tp-size/--pp-size is not supported yet")
+        parse_lora_flags(self.lora, self.served_model_names)
         if self.max_queued_requests < 1:
             raise ValueError("--max-queued-requests must be >= 1")
         if self.chunked_prefill_size < 1:
@@ -424,6 +446,10 @@ class ServerArgs:
                 "run one local scheduler+worker pair each: not with --replica, --dp-size, "
                 "--tp-size or --pp-size"
             )
+        if self.several_models and self.lora:
+            raise ValueError(
+                "--lora adapts the one model of --model-path: not yet with several models"
+            )
 
     @property
     def several_models(self) -> bool:
@@ -478,6 +504,11 @@ class ServerArgs:
         if self.served_model_name:
             return list(self.served_model_name)
         return [default_model_name(self.model_path or "")]
+
+    @property
+    def loras(self) -> list[LoraSpec]:
+        """The --lora adapters in order: adapter id i + 1 is loras[i] (0: the base)."""
+        return parse_lora_flags(self.lora, self.served_model_names)
 
     @property
     def model_name(self) -> str:

@@ -49,11 +49,14 @@ def build_prefill(
     max_running: int,
     new_token_ratio: float,
     memory: MemoryBudget | None = None,
+    max_loras: int = 1 << 30,
 ) -> PrefillBatch | None:
     """Admit what fits; `chunked` (a prefill in progress) always goes first. With
     `memory`, a request's chunk is shrunk to what the step's peak memory allows beside the
     running requests; one that cannot get even the smallest chunk waits (its
-    `memory_blocked` records since when)."""
+    `memory_blocked` records since when). A request of a LoRA adapter joins only while the
+    running set and the batch hold at most `max_loras` distinct adapters with it (so every
+    decode step does too); others go past it."""
     token_budget = chunk_size
     kv_budget = kv.budget() - sum(int(r.remaining_new_tokens * new_token_ratio) for r in running)
     seats = max_running - len(running) - (1 if chunked else 0)  # a chunked one holds a seat
@@ -65,9 +68,12 @@ def build_prefill(
     rows: list[tuple[int, int]] = []  # (tokens before, new tokens) of each picked row
     candidates = [(chunked, chunked.cache_len)] if chunked else []
     candidates += order_waiting(waiting, kv, policy)
+    adapters = {r.lora for r in running + [chunked] * bool(chunked) if r.lora}
     for req, matched in candidates:
         if token_budget <= 0 or (req is not chunked and seats <= 0):
             break
+        if req.lora and req.lora not in adapters and len(adapters) >= max_loras:
+            continue  # --max-loras-per-batch: it waits for a running adapter to finish
         new = req.seq_len - (req.num_computed if req is chunked else matched)
         twin = None if req is chunked else _twin(req, matched, batch.reqs)
         if twin is not None:
@@ -93,6 +99,8 @@ def build_prefill(
         if admitted is None:
             break
         req.memory_blocked = 0.0
+        if req.lora:
+            adapters.add(req.lora)
         # the admission's own match decides (an earlier one in this batch may have evicted
         # part of the prefix matched above)
         take, prefix = len(admitted.out_cache_loc), admitted.prefix_slot_ids
@@ -126,6 +134,7 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
         state_slot=req.state_slot,
         prefix_state=adm.prefix_state,
         snapshots=adm.snapshots,
+        lora=req.lora,
     )
     # the worker needs the whole history for penalties, and the outputs for a grammar's state
     # (and the tokens before this chunk for its prompt's logprobs)

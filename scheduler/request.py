@@ -14,7 +14,8 @@ class Req:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    namespace: int = 0  # the trie's namespace of its cache salt (common/cache_salt.py)
+    namespace: int = 0  # the trie's namespace of its cache salt and adapter (cache_salt.py)
+    lora: int = 0  # its LoRA adapter's id (0: the base model)
     priority_len: int = 0  # its prompt's first tokens to keep cached ahead of others
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping: slots of the first `cache_len` tokens belong to the trie (locked via

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from common.cache_salt import namespaced_key, salt_namespace
+from common.cache_salt import cache_namespace, namespaced_key
 from common.messages import (
     AbortReq,
     DecodeBatch,
@@ -69,6 +69,7 @@ class Scheduler:
         self.decode_rows = 0
         self._decode_log = (time.monotonic(), 0, 0)
         self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
+        self.num_loras = len(args.loras)  # LoRA adapter ids are 1..num_loras (0: none)
         # --max-memory: what each step may hold (None: a worker that reports no figures)
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
 
@@ -83,7 +84,8 @@ class Scheduler:
             self.outputs.append(ReqError(msg.rid, error[1], code=error[0]))
             return
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
-        req.namespace = salt_namespace(msg.cache_salt)
+        req.lora = msg.lora
+        req.namespace = cache_namespace(msg.cache_salt, msg.lora)
         req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
         self.reqs[req.rid] = req
         self.waiting.append(req)
@@ -94,6 +96,8 @@ class Scheduler:
             return "duplicate_request_id", f"request id {msg.rid!r} is already in use"
         if n == 0:
             return "invalid_request_error", "the prompt has no tokens"
+        if not 0 <= msg.lora <= self.num_loras:
+            return "model_not_found", f"no LoRA adapter of id {msg.lora} is loaded"
         try:
             msg.sampling.validate()
         except ValueError as exc:
@@ -145,6 +149,7 @@ class Scheduler:
                 max_running=self.args.max_running_requests,
                 new_token_ratio=self.new_token_ratio,
                 memory=self.memory,
+                max_loras=self.args.max_loras_per_batch,
             )
             if prefill is None and self.memory is not None:
                 self._expire_memory_waits()

@@ -41,6 +41,19 @@ def tiny_llama(model_cache) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_adapters(tiny_model, model_cache) -> list[str]:
+    """Two seeded LoRA adapters of the tiny model (q_proj and v_proj of both layers)."""
+    from pathlib import Path
+
+    from common.tiny_adapter import build_tiny_adapter
+
+    return [
+        str(build_tiny_adapter(tiny_model, Path(model_cache) / f"lora-tiny-s{seed}", seed=seed))
+        for seed in (1, 2)
+    ]
+
+
+@pytest.fixture(scope="session")
 def agent_model(tiny_model, model_cache) -> str:
     """The tiny model with thinking and tool-call tokens and a tools-aware chat template."""
     from pathlib import Path

@@ -61,3 +61,16 @@ def test_pool_storages_alternate_and_are_compared(tiny_model, tmp_path, capsys):
     assert fp16["tokens_per_byte_vs_first_storage"] == 2.0
     want = f"fp16 / auto, batch size 2: decode step {step:.3f}x, tokens in the same memory 2.00x"
     assert want in printed
+
+
+def test_lora_rows_are_timed_against_plain_rows(tiny_model, tmp_path, capsys):
+    rows = one_batch.main(
+        ["--model-path", tiny_model, "--batch-size", "4", "--input-len", "8", "--output-len", "4"]
+        + ["--loras", "2", "--result-file", str(tmp_path / "r.jsonl")]
+    )
+    printed = capsys.readouterr().out
+    plain, lora = rows
+    assert (plain["loras"], lora["loras"]) == (0, 2)
+    step = lora["median_decode_latency"] / plain["median_decode_latency"]
+    assert lora["decode_latency_vs_first_storage"] == step
+    assert f"auto+2 LoRAs / auto, batch size 4: decode step {step:.3f}x" in printed

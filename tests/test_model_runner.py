@@ -88,7 +88,8 @@ class Harness:
         kv_cache_dtype: str = "auto", **modes,
     ):  # fmt: skip
         """`modes`: the runner's other constructor arguments (pipeline_stage, grammars,
-        prefill_step, ...), chosen once as the loader chooses them. `proposer`: the
+        prefill_step, lora, ...), chosen once as the loader chooses them; `model`: one
+        loaded for this harness (default: the path's shared one). `proposer`: the
         Verifier's (speculation.py), which wraps a runner that verifies drafts as the
         loader's does (default: the scheduler's drafts, in the descriptor); `worker` is
         then the Verifier, else the runner."""
@@ -100,7 +101,7 @@ class Harness:
 
         proposer = modes.pop("proposer", None) or SchedulerDrafts()
 
-        model, _ = load_model(path)
+        model = modes.pop("model", None) or load_model(path)[0]
         self.path = path
         self.model = model
         self.vocab = vocab_size(path)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from worker_mlx.kv_pool import KVLayout
 from worker_mlx.layer_caches import StateCache, StepCache, StepColumns
+from worker_mlx.lora import NO_LORA, LoraBank, NoLora
 
 # Attention width granularity: masked columns past the current one cost attention work
 # (at batch 8 and 300 tokens, 256-column steps made a decode step 25% slower than 64).
@@ -51,22 +52,27 @@ class DecodeStep:
     which RoPE positions skip."""
 
     def __init__(
-        self, model: nn.Module, compile: bool, layout: KVLayout, max_traces: int = MAX_TRACES
-    ):
+        self, model: nn.Module, compile: bool, layout: KVLayout, max_traces: int = MAX_TRACES,
+        lora: LoraBank | NoLora = NO_LORA,
+    ):  # fmt: skip
         self.model = model
+        self.lora = lora  # the rows' adapters: the runner's bank, bound in the traced step
         self.layout = layout
         self.windows = layout.windows or (None,) * layout.num_layers
         self.compiles = compile
         self.max_traces = max_traces
-        self.shapes: set[tuple[int, int, int]] = set()
+        self.shapes: set[tuple] = set()
         self.compiled = 0  # times the step was compiled afresh
         self._step = self._compile() if compile else self._function()
 
     def _function(self):
-        model, windows, layout = self.model, self.windows, self.layout
+        model, windows, layout, lora = self.model, self.windows, self.layout, self.lora
         codec = layout.codec
 
-        def step(tokens, column, left_pad, keys, values, states, parts, width, lowest, holes, gaps):
+        def step(
+            tokens, column, left_pad, keys, values, states, parts, width, lowest, holes, gaps,
+            adapters,
+        ):  # fmt: skip
             S = tokens.shape[1]
             columns = StepColumns(column, left_pad, width, lowest, holes, S)
             offset = column - left_pad - gaps  # each row's RoPE position
@@ -77,7 +83,8 @@ class DecodeStep:
             ]
             recurrent = [StateCache(len(s), s, None) for s in states]
             caches = layout.in_model_order(kv, recurrent) if recurrent else kv
-            logits = model(tokens, cache=caches)
+            with lora.bound(adapters):  # an argument: a compiled graph's captures are constants
+                logits = model(tokens, cache=caches)
             logits = logits[:, -1, :] if S == 1 else logits
             new_states = [c.state for c in recurrent]
             new_parts = [c.parts for c in kv] if parts else []
@@ -110,7 +117,7 @@ class DecodeStep:
             holes, gaps = mx.zeros((B, capacity), dtype=mx.bool_), mx.zeros((B,), mx.int32)
         if self.compiles:
             width, lowest = attention_width(column, capacity, S)
-            shape = (B, capacity, width, S)
+            shape = (B, capacity, width, S, self.lora.rows is None)
             if shape not in self.shapes:
                 if len(self.shapes) >= self.max_traces:
                     self._step = self._compile()  # the old function and its traces are freed
@@ -119,4 +126,5 @@ class DecodeStep:
             width, lowest = column + S, column
         at = mx.array([column], dtype=mx.int32)
         args = (keys, values, list(states), [list(p) for p in parts])
-        return self._step(tokens, at, left_pad, *args, width, lowest, holes, gaps)
+        adapters = self.lora.rows  # the rows' adapters the runner set for this step
+        return self._step(tokens, at, left_pad, *args, width, lowest, holes, gaps, adapters)

@@ -27,6 +27,7 @@ class Decoding:
     key: mx.array | None
     penalty: Penalty | None = None
     grammar: object | None = None  # its llguidance matcher, if the request is constrained
+    lora: int = 0  # its LoRA adapter's index in the runner's bank (0: none)
 
     @classmethod
     def for_extend(cls, r: ExtendReq, keys: KeySource, grammars: Grammars | None) -> Decoding:
@@ -35,7 +36,7 @@ class Decoding:
         if not r.sampling.greedy:
             key = keys.request_key(r.sampling.seed, len(r.output_ids))
         penalty = Penalty.for_request(r.sampling, r.context_ids + r.input_ids, r.output_ids)
-        decoding = cls(r.rid, r.sampling, -1, key, penalty)
+        decoding = cls(r.rid, r.sampling, -1, key, penalty, lora=r.lora)
         if r.sampling.grammar_kind:
             if grammars is None:
                 raise ValueError(f"{r.rid}: this worker has no tokenizer for grammars")

@@ -18,6 +18,7 @@ from worker_mlx.draft_model import DraftModel
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
+from worker_mlx.lora import LoraBank, NoLora, make_bank
 from worker_mlx.model_probe import UnsupportedModel, probe_layout
 from worker_mlx.model_runner import ModelRunner, verifies_drafts
 from worker_mlx.proposer import SchedulerDrafts
@@ -43,6 +44,7 @@ def load_runner(
     on_cpu = backend.name == "cpu"  # the process's own memory is the budget's there
     model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path, rank)
     layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
+    lora = _adapters(args, model)
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
     backend.wire(mx.get_active_memory())
     vocab_size = _vocab_size(model, config)
@@ -71,6 +73,7 @@ def load_runner(
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
         grammars=grammars, states=states, pad_prefill=pad, pipeline_stage=stage, memory=held,
+        lora=lora,
     )  # fmt: skip
     engine = Verifier(runner, proposer) if runner.verifies_drafts else runner
     ready = WorkerReady(
@@ -82,6 +85,18 @@ def load_runner(
         verifies_drafts=runner.verifies_drafts, memory=memory.for_scheduler(held),
     )  # fmt: skip
     return engine, ready
+
+
+def _adapters(args: ServerArgs, model) -> LoraBank | NoLora:
+    """The --lora adapters, the model's adapted layers wrapped (the router checked them
+    against the model's files; this is the check against its modules)."""
+    try:
+        lora = make_bank(model, args.loras)
+    except (ValueError, KeyError, OSError) as exc:
+        _refuse(args.model_path, f"--lora: {exc}")
+    for spec in args.loras:
+        logger.info("LoRA adapter %s: %s", spec.name, spec.path)
+    return lora
 
 
 def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:

@@ -20,6 +20,7 @@ from worker_mlx.extend_pass import ExtendPlan, passes
 from worker_mlx.grammar import Grammars
 from worker_mlx.kv_ledger import KVLedger, KVLocation
 from worker_mlx.kv_pool import MlxKVPool
+from worker_mlx.lora import NO_LORA, LoraBank, NoLora
 from worker_mlx.model_probe import split_lm_head
 from worker_mlx.prompt_logprobs import prompt_logprobs
 from worker_mlx.sampler import KeySource
@@ -53,6 +54,7 @@ class ModelRunner:
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
         pad_prefill: bool = True, pipeline_stage: bool = False, memory=None,
+        lora: LoraBank | NoLora = NO_LORA,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -65,7 +67,8 @@ class ModelRunner:
         self.decodings: dict[str, Decoding] = {}
         self.ledger = KVLedger(pool, states)  # where each decoding request's KV is
         self.body, self.head = split_lm_head(model)
-        self.decode_step = DecodeStep(model, compile=compile_decode, layout=pool.layout)
+        self.lora = lora  # the LoRA adapters (lora.py), their layers wrapped in `model`
+        self.decode_step = DecodeStep(model, compile_decode, pool.layout, lora=lora)
         self.lookahead = self.ledger.lookahead
         self.grammars = grammars
         self.verifies_drafts = verifies_drafts(batched, pool.layout)
@@ -93,7 +96,9 @@ class ModelRunner:
     def extend(self, batch: ExtendBatch) -> StepOutput:
         out = self._extend(batch)
         if any(r.sampling.prompt_logprobs and r.last_chunk for r in batch.reqs):
-            out.prompt_logprobs = prompt_logprobs(self.body, self.head, batch.reqs, out.rids)
+            out.prompt_logprobs = prompt_logprobs(
+                self.body, self.head, batch.reqs, out.rids, self.lora
+            )
         return out
 
     def _extend(self, batch: ExtendBatch) -> StepOutput:
@@ -139,7 +144,8 @@ class ModelRunner:
         (0.5-1 ms of the 6 ms a 2,048-token repeat spends in the worker)."""
         decodings = [self._new_decoding(r) for r in reqs]
         buffer = self.ledger.one_token_rows(reqs)
-        logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
+        with self.lora.rows_of(self._adapters(buffer.rids, decodings)):
+            logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
         self._open(reqs)
         self.ledger.write_pending()  # in the pool now: another prompt may share this token
         self._snapshot(reqs)
@@ -158,7 +164,8 @@ class ModelRunner:
         working slots and the snapshots asked for."""
         plan = ExtendPlan.for_reqs(pool, reqs, self.states)
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
-        out = forward(tokens, plan.layer_caches())
+        with self.lora.rows_of([r.lora for r in reqs]):
+            out = forward(tokens, plan.layer_caches())
         plan.store_states()
         self._snapshot(reqs)
         return out
@@ -236,7 +243,9 @@ class ModelRunner:
         blank = [0] * len(tokens[0])
         of = dict(zip(rids, tokens))
         grid = [of.get(rid, blank) if rid is not None else blank for rid in buffer.rids]
-        return buffer.step(self.decode_step, mx.array(grid))[mx.array(buffer.rows(rids))]
+        with self.lora.rows_of(self._adapters(buffer.rids)):
+            logits = buffer.step(self.decode_step, mx.array(grid))
+        return logits[mx.array(buffer.rows(rids))]
 
     def _decode_batched(self, decodings: list[Decoding], slots: list[int]) -> StepOutput:
         rids = [s.rid for s in decodings]
@@ -252,7 +261,7 @@ class ModelRunner:
             home = self.ledger.state_slot(s.rid)
             step = ExtendReq(
                 s.rid, [s.last_token], self.ledger.slots(s.rid), [slot], s.sampling,
-                state_slot=home, prefix_state=home,
+                state_slot=home, prefix_state=home, lora=s.lora,
             )  # fmt: skip
             forward = lambda t, c: self.model(t, cache=c)  # noqa: E731
             parts.append(self._pass(pool, [step], forward)[:, -1, :])
@@ -267,8 +276,17 @@ class ModelRunner:
         tokens = mx.array(
             [[self.decodings[rid].last_token if rid is not None else 0] for rid in buffer.rids]
         )
-        logits = buffer.step(self.decode_step, tokens)
+        with self.lora.rows_of(self._adapters(buffer.rids)):
+            logits = buffer.step(self.decode_step, tokens)
         return logits if rows == list(range(len(buffer.rids))) else logits[mx.array(rows)]
+
+    def _adapters(self, rids: list[str | None], joining: list[Decoding] = ()) -> list[int]:
+        """The LoRA adapter of each buffer row (0: none, and for a dead row), of decoding
+        requests or `joining` ones."""
+        of = {s.rid: s.lora for s in joining}
+        return [
+            0 if rid is None else of[rid] if rid in of else self.decodings[rid].lora for rid in rids
+        ]
 
     def run_ahead(self) -> None:
         """Start the decode step the last descriptor said comes next (called after the reply

@@ -15,22 +15,27 @@ from __future__ import annotations
 import mlx.core as mx
 
 from common.messages import ExtendReq
+from worker_mlx.lora import NO_LORA
 from worker_mlx.sampler import logprobs
 
 BLOCK = 256  # positions projected to the vocabulary at a time
 
 
-def prompt_logprobs(body, head, reqs: list[ExtendReq], rids: list[str]) -> list[list | None]:
+def prompt_logprobs(
+    body, head, reqs: list[ExtendReq], rids: list[str], lora=NO_LORA
+) -> list[list | None]:
     """Per sampled row (`rids`, the step's order): None, or the request's prompt logprobs
-    as [[logprob, [[token_id, logprob], ...]], ...] for prompt tokens 1..n-1."""
+    as [[logprob, [[token_id, logprob], ...]], ...] for prompt tokens 1..n-1 (with its
+    LoRA adapter from `lora`, the runner's bank)."""
     by_rid = {r.rid: r for r in reqs}
-    return [_of(body, head, by_rid[rid]) if by_rid[rid].sampling.prompt_logprobs else None
+    return [_of(body, head, by_rid[rid], lora) if by_rid[rid].sampling.prompt_logprobs else None
             for rid in rids]  # fmt: skip
 
 
-def _of(body, head, r: ExtendReq) -> list:
+def _of(body, head, r: ExtendReq, lora) -> list:
     ids = r.context_ids + r.input_ids
-    hidden = body(mx.array([ids]))[0]
+    with lora.rows_of([r.lora]):
+        hidden = body(mx.array([ids]))[0]
     targets = mx.array(ids[1:])
     top_n = r.sampling.top_logprobs
     out = []

@@ -31,7 +31,10 @@ class ApiContext:
         self.strict_tok = Tokenization(tokenizer, manager)
         # the names this model answers to: the server's flags, or its entry's among several
         self.names = names or ModelNames(
-            args.served_model_names, args.model_alias or [], args.model_path
+            args.served_model_names,
+            args.model_alias or [],
+            args.model_path,
+            [spec.name for spec in args.loras],
         )
         self.model_name = self.names.reported  # the name responses report
         self.pieces = TokenPieces(tokenizer)  # token texts and bytes for logprobs
@@ -52,7 +55,9 @@ class ApiContext:
         sampling = self.tok.check_ids(ids, sampling, req.invalid)
         stops = req.stop_strings()
         salt = request_salt(req.cache_salt)
+        lora = self.names.adapter(req.model)  # its LoRA adapter's id (0: the base model)
         chunks = generate_text(
-            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len, route_key
-        )
+            self.manager, self.tokenizer, ids, sampling, stops, rid, salt, priority_len,
+            route_key, lora,
+        )  # fmt: skip
         return count_usage(track_finish(chunks, self.metrics, rid))

@@ -176,13 +176,14 @@ async def generate_text(
     cache_salt: str = "",
     priority_len: int = 0,
     route_key: str | None = None,
+    lora: int = 0,
 ) -> AsyncIterator[Output]:
     """Stream chunks (an Output each: new text and token ids, usage so far); a stop string
-    ends the request early (and aborts it upstream). `cache_salt` and `priority_len`: see
-    common.messages.GenerateReq; `route_key`: RouterManager.generate."""
+    ends the request early (and aborts it upstream). `cache_salt`, `priority_len` and
+    `lora`: see common.messages.GenerateReq; `route_key`: RouterManager.generate."""
     detok = IncrementalDetokenizer(tokenizer)
     matcher = StopMatcher(stop or [])
-    outs = manager.generate(input_ids, sampling, rid, cache_salt, priority_len, route_key)
+    outs = manager.generate(input_ids, sampling, rid, cache_salt, priority_len, route_key, lora)
     async with contextlib.aclosing(outs):
         async for chunk in outs:
             for out in _per_token(chunk) if matcher.stops else [chunk]:

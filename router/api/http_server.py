@@ -224,7 +224,7 @@ class _Routes:
         sampling.prompt_logprobs = bool(req.echo) and req.logprobs is not None
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
-        body = partial(_body, api.model_name, rid, created)
+        body = partial(_body, api.names.reported_for(req.model), rid, created)
         logprobs = bool(sampling.logprobs)
 
         def render_at(index: int, ids: list[int]):
@@ -256,7 +256,7 @@ class _Routes:
                 return None
             return chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs, api.pieces)
 
-        body = partial(_body, api.model_name, rid, created)
+        body = partial(_body, api.names.reported_for(req.model), rid, created)
 
         def render_at(index: int, _ids: list[int]):
             return chat_renderer(prompt, index, bool(req.stream), body, logprobs_of), ""

@@ -1,7 +1,8 @@
 """Which model names the API answers to: the served names (`--served-model-name`,
 repeatable; the first is the one responses report), the model path as given, and any name
 an alias glob (`--model-alias`) matches, so that an agent's side calls for another model
-(`claude-haiku-4-5`) reach the one served. Any other name is a 404."""
+(`claude-haiku-4-5`) reach the one served. A LoRA adapter (`--lora NAME=PATH`) is named
+`NAME`, or `BASE:NAME` with BASE any name of the model. Any other name is a 404."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from router.request_error import RequestError
 
 
 class ModelNames:
-    def __init__(self, served: list[str], aliases: list[str], model_path: str):
+    def __init__(
+        self, served: list[str], aliases: list[str], model_path: str, loras: list[str] = ()
+    ):
         self.served, self.aliases, self.model_path = list(served), list(aliases), model_path
+        self.loras = list(loras)  # adapter id i + 1 is loras[i]
 
     @property
     def reported(self) -> str:
@@ -24,10 +28,26 @@ class ModelNames:
             return True
         return any(fnmatchcase(name, pattern) for pattern in self.aliases)
 
+    def reported_for(self, name: str | None) -> str:
+        """The model a response to a request naming `name` reports: the adapter's name for
+        an adapter's request, else the served name."""
+        lora = self.adapter(name)
+        return self.loras[lora - 1] if lora else self.reported
+
+    def adapter(self, name: str | None) -> int | None:
+        """The LoRA adapter id a request naming `name` runs (0: the base model); None if
+        `name` is neither the model nor one of its adapters. An adapter's own name goes
+        before the alias globs (`--model-alias '*'` takes every other name)."""
+        base, _, lora = (name or "").rpartition(":")
+        if lora in self.loras and (not base or self.accepts(base)):
+            return self.loras.index(lora) + 1
+        return 0 if self.accepts(name) else None
+
     def check(self, name: str | None) -> None:
-        if not self.accepts(name):
+        if self.adapter(name) is None:
+            adapters = f" and the LoRA adapters {self.loras}" if self.loras else ""
             raise RequestError(
-                f"model {name!r} does not exist; serving {self.reported!r}",
+                f"model {name!r} does not exist; serving {self.reported!r}{adapters}",
                 "model_not_found",
                 404,
                 param="model",

@@ -32,12 +32,16 @@ class SingleModel:
         return self.api
 
     def cards(self) -> list[dict]:
-        return [model_card(name, self.api.manager.max_model_len) for name in self.api.names.served]
+        names = self.api.names
+        return [self.card(name) for name in names.served + names.loras]
 
     def card(self, model_id: str) -> dict:
-        """A served name's card; an alias's is the same model's under the asked-for id."""
-        self.api.names.check(model_id)
-        return model_card(model_id, self.api.manager.max_model_len)
+        """A served name's card; an alias's is the same model's under the asked-for id; a
+        LoRA adapter's names the model it adapts as its `parent`."""
+        names = self.api.names
+        names.check(model_id)
+        extra = {"parent": names.reported} if names.adapter(model_id) else {}
+        return model_card(model_id, self.api.manager.max_model_len, **extra)
 
     def health(self) -> JSONResponse:
         """200 while a replica serves; the body says why not, and lists every replica."""

@@ -264,7 +264,8 @@ class RouterManager:
                       exclude: Replica | None = None,
                       route_key: str | None = None) -> None:  # fmt: skip
         # a salted prompt is keyed as the replica's trie keys it: no hit across salts
-        replica = self._route(salted_key(req.input_ids, req.cache_salt), exclude, route_key)
+        key = salted_key(req.input_ids, req.cache_salt, req.lora)
+        replica = self._route(key, exclude, route_key)
         if replica is None:
             raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
         pending.replica = replica
@@ -276,9 +277,10 @@ class RouterManager:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None,
         cache_salt: str = "", priority_len: int = 0, route_key: str | None = None,
+        lora: int = 0,
     ) -> AsyncIterator[TokenOut]:  # fmt: skip
         """Yield TokenOut increments until the finishing one; abort if the caller stops.
-        `cache_salt`, `priority_len`: see GenerateReq; `route_key` (a client's
+        `cache_salt`, `priority_len`, `lora`: see GenerateReq; `route_key` (a client's
         prompt_cache_key) picks the replica (router.replicas.routing.by_key) rather than
         the routing policy."""
         await self._wait_serving()
@@ -293,7 +295,7 @@ class RouterManager:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")
         self.pending[rid] = pending = _Pending()
         finished = False
-        req = GenerateReq(rid, input_ids, sampling, cache_salt, priority_len)
+        req = GenerateReq(rid, input_ids, sampling, cache_salt, priority_len, lora)
         try:
             await self._submit(rid, pending, req, route_key=route_key)
             while True:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.addresses import unavailable_address
 from common.distributed_plan import check_model_dir
+from common.lora_adapters import check_loras
 from common.server_args import ServerArgs
 
 
@@ -62,9 +63,11 @@ def resolve_args(args: ServerArgs, command: str | None) -> ServerArgs:
         model_dir = resolve_model_path(args.model_path)
         if args.group_size > 1:  # what cannot be split is refused before a rank starts
             check_model_dir(model_dir, args.tp_size, args.pp_size)
+        check_loras(model_dir, args.loras)  # an adapter of another base: refused here
     except (ValueError, ModelNotFound) as exc:
         raise Refused(str(exc), 1) from None
-    return dataclasses.replace(args, model_path=model_dir)
+    loras = [f"{s.name}={os.path.abspath(s.path)}" for s in args.loras] or args.lora
+    return dataclasses.replace(args, model_path=model_dir, lora=loras)
 
 
 def load_tokenizer(model_dir: str):

@@ -1,0 +1,122 @@
+"""End to end: a real `radix-mlx serve --lora ...` against mlx-lm's own adapter generation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import subprocess
+
+import httpx
+import pytest
+
+from common.ipc import free_ports
+from tests.server import RADIX_MLX, ServerProcess
+from tests.test_lora import adapter_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model, tiny_adapters, tmp_path_factory):
+    extra = ["--max-total-tokens", "8192", "--lora", f"a1={tiny_adapters[0]}", "--lora",
+             f"a2={tiny_adapters[1]}"]  # fmt: skip
+    server = ServerProcess(tiny_model, tmp_path_factory.mktemp("lora") / "server.log", extra)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _complete(server: ServerProcess, model: str, prompt: list[int], n: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _prompt(seed: int, n: int = 24) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def test_each_adapter_and_the_base_match_mlx_lm(lora_server, tiny_model, tiny_adapters):
+    base = os.path.basename(tiny_model)
+    prompt = _prompt(1)
+    a1, a2 = tiny_adapters
+    cases = [(base, None), ("a1", a1), ("a2", a2), (f"{base}:a1", a1)]
+    for model, adapter in cases:
+        got = _complete(lora_server, model, prompt, 10)["choices"][0]["token_ids"]
+        assert got == adapter_greedy(tiny_model, adapter, prompt, 10), model
+
+
+def test_concurrent_requests_of_two_adapters_and_the_base_match_mlx_lm(
+    lora_server, tiny_model, tiny_adapters
+):
+    base = os.path.basename(tiny_model)
+    jobs = [(m, a, _prompt(10 + i)) for i, (m, a) in enumerate(
+        [(base, None), ("a1", tiny_adapters[0]), ("a2", tiny_adapters[1])] * 3)]  # fmt: skip
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: _complete(lora_server, j[0], j[2], 8), jobs))
+    for (_, adapter, prompt), res in zip(jobs, results):
+        assert res["choices"][0]["token_ids"] == adapter_greedy(tiny_model, adapter, prompt, 8)
+
+
+def test_a_prefix_cached_under_one_adapter_serves_that_adapter_only(
+    lora_server, tiny_model, tiny_adapters
+):
+    base = os.path.basename(tiny_model)
+    prompt = _prompt(99, 40)
+
+    def cached(model: str) -> int:
+        res = _complete(lora_server, model, prompt, 4)
+        adapter = dict(zip(["a1", "a2"], tiny_adapters)).get(model)
+        want = adapter_greedy(tiny_model, adapter, prompt, 4)
+        assert res["choices"][0]["token_ids"] == want, model
+        return res["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("a1") == 0
+    assert cached("a2") == 0
+    assert cached(base) == 0
+    assert cached("a1") == len(prompt) - 1  # run as a one-token step, with its adapter
+    assert cached(base) == len(prompt) - 1
+
+
+def test_unknown_adapters_are_404s_naming_them(lora_server, tiny_model):
+    for name in ("a3", "other:a1", f"{os.path.basename(tiny_model)}:a9"):
+        body = {"model": name, "prompt": [5, 6, 7], "max_tokens": 2}
+        r = httpx.post(lora_server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 404, r.text
+        assert name in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_models_lists_the_adapters_with_their_parent(lora_server, tiny_model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=lora_server.url + "/v1", api_key="none")
+    cards = {m.id: m for m in client.models.list().data}
+    base = os.path.basename(tiny_model)
+    assert cards["a1"].parent == base and cards["a2"].parent == base
+    assert client.models.retrieve("a2").parent == base
+    res = client.completions.create(model="a1", prompt="hello", max_tokens=3, temperature=0)
+    assert res.usage.completion_tokens == 3 and res.model == "a1"
+    chat = client.chat.completions.create(
+        model=f"{base}:a2", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert chat.usage.completion_tokens == 3 and chat.model == "a2"
+
+
+def test_an_adapter_of_another_base_is_refused_at_start_up(tiny_adapters, model_cache):
+    from common.tiny_model import ensure_tiny_model
+
+    other = str(ensure_tiny_model(model_cache, preset="small"))
+    port, lora = str(free_ports(1)[0]), f"x={tiny_adapters[0]}"
+    out = subprocess.run(
+        [RADIX_MLX, "serve", "--model-path", other, "--port", port, "--lora", lora],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if "cannot serve this adapter" in line]
+    assert len(lines) == 1, out.stderr
+    assert "--lora x=" in lines[0] and "an adapter of another base" in lines[0]
