@@ -25,7 +25,10 @@ from common.messages import (
     SCHEDULER_FROM_WORKER,
     CacheEvicted,
     DecodeBatch,
+    EmbedBatch,
+    EmbedOut,
     ExtendBatch,
+    EmbedReq,
     GenerateReq,
     ReleaseBatch,
     ReqError,
@@ -71,6 +74,8 @@ class SchedulerProcess:
                     self.args.max_running_requests,
                     sched.context_len,
                     ready.model_type,
+                    ready.embedding_dim,
+                    ready.embedding_normalized,
                 )
             )
         )
@@ -94,7 +99,7 @@ class SchedulerProcess:
             if msg is not None:
                 logger.warning("ignoring %s before the worker is ready", type(msg).__name__)
 
-    def _wait_result(self, batch: ExtendBatch | DecodeBatch):
+    def _wait_result(self, batch: ExtendBatch | DecodeBatch | EmbedBatch):
         """The step's StepResult or WorkerError; a bad frame or a WorkerError naming no
         step (the worker could not read what we sent) ends the wait as a failed step."""
         sent, reported = time.monotonic(), False
@@ -160,7 +165,7 @@ class SchedulerProcess:
                 if isinstance(msg, GenerateReq):
                     self.trace("request", msg.rid)
                 self.sched.on_request(msg)
-            elif isinstance(msg, GenerateReq):  # the router waits for SchedulerReady first
+            elif isinstance(msg, (GenerateReq, EmbedReq)):  # the router waits for SchedulerReady
                 error = ReqError(msg.rid, "the scheduler is starting", "service_unavailable", 503)
                 self.to_router.send(encode(error))
 
@@ -171,6 +176,8 @@ class SchedulerProcess:
             self.trace("extend", batch.step, *(r.rid for r in batch.reqs))
         elif isinstance(batch, DecodeBatch):
             self.trace("decode", batch.step, *batch.rids)
+        elif isinstance(batch, EmbedBatch):
+            self.trace("embed", batch.step, *dict.fromkeys(r.rid for r in batch.rows))
 
     def _send_outputs(self) -> None:
         """Stats first, so a caller that sees its last token and then scrapes /metrics
@@ -181,13 +188,13 @@ class SchedulerProcess:
         if evicted:
             self.to_router.send(encode(CacheEvicted(evicted)))
         outputs = sched.take_outputs()
-        tokens = [o for o in outputs if not isinstance(o, ReqError)]
+        tokens = [o for o in outputs if not isinstance(o, (ReqError, EmbedOut))]
         if tokens:
             self.trace("out", *(t.rid for t in tokens))
             self.to_router.send(encode(TokenOutBatch(tokens)))
-        for err in outputs:
-            if isinstance(err, ReqError):
-                self.to_router.send(encode(err))
+        for other in outputs:  # errors, and embeddings (one message per request)
+            if isinstance(other, (ReqError, EmbedOut)):
+                self.to_router.send(encode(other))
 
     def _send_stats(self, stats) -> None:
         """When they changed (so a scrape is current within one step), and every

@@ -15,6 +15,10 @@ from common.cache_salt import namespaced_key, salt_namespace
 from common.messages import (
     AbortReq,
     DecodeBatch,
+    EmbedBatch,
+    EmbedOut,
+    EmbedReq,
+    EmbedResult,
     ExtendBatch,
     GenerateReq,
     ReleaseBatch,
@@ -28,6 +32,7 @@ from common.messages import (
 )
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
+from scheduler.embedding import EmbedQueue
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
@@ -57,10 +62,13 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.pending_release: list[ReleaseReq] = []
-        self.outputs: list[TokenOut | ReqError] = []
+        self.outputs: list[TokenOut | ReqError | EmbedOut] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step = 0
-        self.in_flight: PrefillBatch | list[Req] | None = None
+        self.in_flight: PrefillBatch | list[Req] | EmbedBatch | None = None
+        # embeddings: rows of no KV, in steps of their own between the others
+        self.embeds = EmbedQueue(self.context_len, args.chunked_prefill_size)
+        self.last_was_embed = False
         self.retracted = 0
         self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
@@ -74,9 +82,14 @@ class Scheduler:
 
     # ------------------------------------------------------------ inputs
 
-    def on_request(self, msg: GenerateReq | AbortReq) -> None:
+    def on_request(self, msg: GenerateReq | AbortReq | EmbedReq) -> None:
         if isinstance(msg, AbortReq):
             self.abort(msg.rid)
+            return
+        if isinstance(msg, EmbedReq):
+            error = self.embeds.add(msg, msg.rid in self.reqs)
+            if error is not None:
+                self.outputs.append(error)
             return
         error = self._reject_reason(msg)
         if error is not None:
@@ -115,6 +128,8 @@ class Scheduler:
         return None
 
     def abort(self, rid: str) -> None:
+        if self.embeds.abort(rid):
+            return
         req = self.reqs.get(rid)
         if req is None:
             return
@@ -130,6 +145,9 @@ class Scheduler:
 
     def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
         """The next message for the worker, or None when idle."""
+        embed = self._embed_batch()
+        if embed is not None:
+            return embed
         prefill = None
         # After a prefill, running requests get one decode step before the next prefill, so
         # a stream of long prompts cannot stall them for several prefill steps in a row.
@@ -157,6 +175,23 @@ class Scheduler:
             self.step += 1
             return ReleaseBatch(self.step, self._take_release())
         return None
+
+    def _embed_batch(self) -> EmbedBatch | None:
+        """Embedding rows take every other step while generation has work, so neither
+        stalls the other; the releases wait for the next generation step."""
+        others = bool(self.waiting or self.running or self.chunked)
+        if not self.embeds.waiting or (self.last_was_embed and others):
+            self.last_was_embed = False
+            return None
+        self.step += 1
+        self.in_flight = batch = self.embeds.next_batch(self.step)
+        self.last_was_embed = True
+        logger.info(
+            "Embed batch, #row: %d, #token: %d, #queue-row: %d, #running-req: %d",
+            len(batch.rows), sum(len(r.input_ids) for r in batch.rows),
+            len(self.embeds.waiting), len(self.running),
+        )  # fmt: skip
+        return batch
 
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
         now = time.monotonic()
@@ -248,8 +283,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def on_result(self, result: StepResult | WorkerError) -> None:
+    def on_result(self, result: StepResult | WorkerError | EmbedResult) -> None:
         batch, self.in_flight = self.in_flight, None
+        if isinstance(batch, EmbedBatch):
+            self._after_embed(batch, result)
+            return
         if getattr(result, "collective_seconds", 0.0):
             self.collective_seconds = result.collective_seconds
             self.collective_probes += 1
@@ -262,6 +300,17 @@ class Scheduler:
         self._apply_aborts()
         if self.args.debug_invariants:
             self.check_invariants()
+
+    def _after_embed(self, batch: EmbedBatch, result: EmbedResult | WorkerError) -> None:
+        if isinstance(result, EmbedResult):
+            self.outputs.extend(self.embeds.on_result(batch, result))
+            return
+        logger.error("worker failed an embed step of %d rows: %s", len(batch.rows), result.message)
+        if result.out_of_memory:
+            errors = self.embeds.fail(batch, result.message, "out_of_memory", 503, RETRY_AFTER)
+        else:
+            errors = self.embeds.fail(batch, result.message)
+        self.outputs.extend(errors)
 
     def _after_prefill(self, batch: PrefillBatch, result: StepResult) -> None:
         row = {rid: i for i, rid in enumerate(result.rids)}
@@ -363,7 +412,7 @@ class Scheduler:
         )
         req.sent_len = len(req.output_ids)
 
-    def take_outputs(self) -> list[TokenOut | ReqError]:
+    def take_outputs(self) -> list[TokenOut | ReqError | EmbedOut]:
         out, self.outputs = self.outputs, []
         return out
 
@@ -419,4 +468,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending_release)
+        return bool(
+            self.waiting or self.running or self.chunked or self.pending_release
+            or self.embeds.waiting
+        )  # fmt: skip

@@ -31,6 +31,8 @@ from common.cache_salt import salted_key
 from common.messages import (
     AbortReq,
     CacheEvicted,
+    EmbedOut,
+    EmbedReq,
     GenerateReq,
     ReqError,
     SamplingParams,
@@ -140,6 +142,8 @@ class RouterManager:
             self.trace("tokens", *(out.rid for out in msg.outputs))
             for out in msg.outputs:
                 self._deliver(replica, out.rid, out)
+        elif isinstance(msg, EmbedOut):
+            self._deliver(replica, msg.rid, msg)
         elif isinstance(msg, ReqError):
             headers = {"Retry-After": str(math.ceil(msg.retry_after))} if msg.retry_after else None
             self._deliver(
@@ -167,7 +171,9 @@ class RouterManager:
             logger.info("replica %s ready (%s)", replica.id, replica.address)
         self._settled.set()
 
-    def _deliver(self, replica: Replica, rid: str, item: TokenOut | RequestError) -> None:
+    def _deliver(
+        self, replica: Replica, rid: str, item: TokenOut | EmbedOut | RequestError
+    ) -> None:
         pending = self.pending.get(rid)
         if pending is not None and pending.replica is replica:
             pending.queue.put_nowait(item)
@@ -324,6 +330,38 @@ class RouterManager:
                 self.metrics.forget(rid)
             if not finished and pending.replica is not None:
                 self._send_nowait(pending.replica, AbortReq(rid))
+
+    async def embed(self, inputs: list[list[int]]) -> EmbedOut:
+        """The inputs' embeddings, from the least loaded replica that serves (embeddings
+        use no cache, so no replica's is better); a request lost with its replica is sent
+        once to another."""
+        await self._wait_serving()
+        rid = uuid.uuid4().hex
+        self.pending[rid] = pending = _Pending()
+        finished = False
+        try:
+            for attempt in range(2):
+                replica = min(self.replicas.serving(), key=lambda r: len(r.in_flight), default=None)
+                if replica is None:
+                    raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
+                pending.replica = replica
+                replica.in_flight.add(rid)
+                await replica.link.send(encode(EmbedReq(rid, inputs)))
+                item = await pending.queue.get()
+                if isinstance(item, _Lost) and attempt == 0 and self._retry_possible(item):
+                    continue
+                finished = True
+                if isinstance(item, (_Lost, RequestError)):
+                    raise item.error if isinstance(item, _Lost) else item
+                if self.metrics:
+                    self.metrics.observe_embedding(item.prompt_tokens, replica.id)
+                return item
+        finally:
+            self.pending.pop(rid, None)
+            if pending.replica is not None:
+                pending.replica.in_flight.discard(rid)
+                if not finished:
+                    self._send_nowait(pending.replica, AbortReq(rid))
 
     def _retry_possible(self, lost: _Lost) -> bool:
         others = [r for r in self.replicas.serving() if r is not lost.replica]

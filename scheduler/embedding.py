@@ -1,0 +1,103 @@
+"""Embedding requests in the scheduler: a queue of rows, cut into EmbedBatch steps.
+
+An EmbedReq's inputs become rows; a batch takes waiting rows in arrival order up to
+--chunked-prefill-size tokens (at least one row, which the context bounds), the same
+budget a prefill step has. Rows hold no slot and never reach the trie, so an embedding
+cannot evict anyone's cached prefix; the worker runs them without its KV pool
+(worker_mlx/embed_pass.py). A request is answered (EmbedOut) once all its rows are back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.messages import EmbedBatch, EmbedOut, EmbedReq, EmbedResult, EmbedRow, ReqError
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+@dataclass
+class _Job:
+    inputs: int
+    tokens: int
+    embeddings: dict[int, bytes] = field(default_factory=dict)
+
+
+class EmbedQueue:
+    def __init__(self, context_len: int, batch_tokens: int):
+        self.context_len, self.batch_tokens = context_len, batch_tokens
+        self.waiting: deque[EmbedRow] = deque()
+        self.jobs: dict[str, _Job] = {}
+        self.requests = 0  # answered requests and their tokens, for the log
+        self.tokens = 0
+
+    def add(self, req: EmbedReq, rid_in_use: bool) -> ReqError | None:
+        """Queue `req`'s rows, or the error it gets (the router checks these first)."""
+        why = _reject_reason(req, self.context_len, rid_in_use or req.rid in self.jobs)
+        if why is not None:
+            return ReqError(req.rid, why[1], code=why[0])
+        tokens = sum(len(ids) for ids in req.inputs)
+        self.jobs[req.rid] = _Job(len(req.inputs), tokens)
+        self.waiting.extend(EmbedRow(req.rid, i, ids) for i, ids in enumerate(req.inputs))
+        return None
+
+    def abort(self, rid: str) -> bool:
+        """Forget `rid` (its rows in flight come back to nobody); whether it was here."""
+        if self.jobs.pop(rid, None) is None:
+            return False
+        self.waiting = deque(r for r in self.waiting if r.rid != rid)
+        return True
+
+    def next_batch(self, step: int) -> EmbedBatch | None:
+        rows, tokens = [], 0
+        while self.waiting and (
+            not rows or tokens + len(self.waiting[0].input_ids) <= self.batch_tokens
+        ):
+            row = self.waiting.popleft()
+            rows.append(row)
+            tokens += len(row.input_ids)
+        return EmbedBatch(step, rows) if rows else None
+
+    def on_result(self, batch: EmbedBatch, result: EmbedResult) -> list[EmbedOut | ReqError]:
+        if len(result.embeddings) != len(batch.rows):
+            return self.fail(batch, "the worker answered another number of embeddings")
+        done = []
+        for row, vector in zip(batch.rows, result.embeddings):
+            job = self.jobs.get(row.rid)
+            if job is None:
+                continue  # aborted meanwhile
+            job.embeddings[row.index] = vector
+            if len(job.embeddings) == job.inputs:
+                del self.jobs[row.rid]
+                self.requests, self.tokens = self.requests + 1, self.tokens + job.tokens
+                vectors = [job.embeddings[i] for i in range(job.inputs)]
+                done.append(EmbedOut(row.rid, vectors, job.tokens))
+        return done
+
+    def fail(
+        self, batch: EmbedBatch, message: str, code: str = "internal_error", status: int = 500,
+        retry_after: float = 0.0,
+    ) -> list[ReqError]:  # fmt: skip
+        """The batch's requests fail (their other rows are dropped from the queue)."""
+        errors = []
+        for rid in dict.fromkeys(row.rid for row in batch.rows):
+            if self.abort(rid):
+                errors.append(ReqError(rid, message, code, status, retry_after))
+        return errors
+
+
+def _reject_reason(req: EmbedReq, context_len: int, rid_in_use: bool) -> tuple[str, str] | None:
+    if rid_in_use:
+        return "duplicate_request_id", f"request id {req.rid!r} is already in use"
+    if not 1 <= len(req.inputs) <= MAX_INPUTS:
+        return "invalid_request_error", f"input: 1 to {MAX_INPUTS} inputs, not {len(req.inputs)}"
+    for i, ids in enumerate(req.inputs):
+        if not ids:
+            return "invalid_request_error", f"input[{i}] has no tokens"
+        if len(ids) > context_len:
+            return "context_length_exceeded", (
+                f"input[{i}] has {len(ids)} tokens, more than the context length of "
+                f"{context_len} tokens"
+            )
+    return None
