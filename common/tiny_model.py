@@ -29,8 +29,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes as mlx_lm_model_classes
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from common.tiny_families import FAMILIES, family_config
 from common.tiny_embedding import write_sentence_transformers
+from common.tiny_families import FAMILIES, family_config
 from common.tiny_presets import PRESETS
 from common.tiny_weights import random_weights
 

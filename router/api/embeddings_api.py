@@ -12,10 +12,10 @@ as OpenAI sends them; `user` is accepted and ignored.
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import StrictInt, StrictStr
+from pydantic import StrictInt
 
 from router.api.api_context import ApiContext
 from router.api.request_body import RequestBody
@@ -26,7 +26,9 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per request (scheduler/embedding.p
 
 class EmbeddingRequest(RequestBody):
     model: str | None = None
-    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # a string, a list of strings, a list of token ids or of token-id lists: checked by
+    # `_inputs`, whose message says so (pydantic's for a union lists every branch)
+    input: Any
     dimensions: StrictInt | None = None
     encoding_format: Literal["float", "base64"] | None = None
     user: str | None = None
@@ -80,14 +82,15 @@ class EmbeddingRoutes:
         input) or a list of token-id lists."""
         if isinstance(given, str):
             given = [given]
-        if not given:
-            raise RequestError("input must not be empty", param="input")
-        if isinstance(given[0], int):
+        if not isinstance(given, list) or not given:
+            raise RequestError("input must not be empty" if given == [] else _SHAPE, param="input")
+        if all(_is_id(x) for x in given):
             given = [given]
+        if not all(isinstance(x, str) or (isinstance(x, list) and all(map(_is_id, x)))
+                   for x in given):  # fmt: skip
+            raise RequestError(_SHAPE, param="input")
         if len(given) > MAX_INPUTS:
-            raise RequestError(
-                f"input has {len(given)} items; at most {MAX_INPUTS}", param="input"
-            )
+            raise RequestError(f"input has {len(given)} items; at most {MAX_INPUTS}", param="input")
         tok, vocab = self.api.tok, len(self.api.tokenizer)
         context = self.api.manager.ready.context_len
         inputs = []
@@ -111,6 +114,13 @@ class EmbeddingRoutes:
             return kept
         norm = float(np.linalg.norm(kept))
         return kept / max(norm, 1e-12)
+
+
+_SHAPE = "input must be a string, a list of strings, a list of token ids or of token-id lists"
+
+
+def _is_id(x) -> bool:
+    return type(x) is int
 
 
 def _encoded(vector: np.ndarray, as_base64: bool):

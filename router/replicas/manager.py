@@ -341,10 +341,12 @@ class RouterManager:
         finished = False
         try:
             for attempt in range(2):
-                replica = min(self.replicas.serving(), key=lambda r: len(r.in_flight), default=None)
-                if replica is None:
-                    raise unavailable(f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER)
-                pending.replica = replica
+                serving = self.replicas.serving()
+                if not serving:
+                    raise unavailable(
+                        f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER
+                    )
+                pending.replica = replica = min(serving, key=lambda r: len(r.in_flight))
                 replica.in_flight.add(rid)
                 await replica.link.send(encode(EmbedReq(rid, inputs)))
                 item = await pending.queue.get()
