@@ -1,0 +1,110 @@
+"""Embedding requests in the scheduler (scheduler/embedding.py), driven step by step:
+their rows take turns with generation steps, hold no KV slot, are answered whole and in
+input order, and are refused, aborted and failed cleanly."""
+
+from __future__ import annotations
+
+import struct
+
+from common.messages import (
+    DecodeBatch,
+    EmbedBatch,
+    EmbedOut,
+    EmbedReq,
+    EmbedResult,
+    ExtendBatch,
+    ReqError,
+    StepResult,
+    WorkerError,
+)
+from tests.test_scheduler_policy import make_scheduler, submit
+
+
+def vector(row) -> bytes:
+    """A fake embedding that says which input it is."""
+    return struct.pack("<2f", float(row.index), float(len(row.input_ids)))
+
+
+def answer(s, batch) -> None:
+    if isinstance(batch, EmbedBatch):
+        s.on_result(EmbedResult(batch.step, [vector(r) for r in batch.rows]))
+    elif isinstance(batch, ExtendBatch):
+        rids = [r.rid for r in batch.reqs if r.last_chunk]
+        s.on_result(StepResult(batch.step, rids, [7] * len(rids)))
+    elif isinstance(batch, DecodeBatch):
+        s.on_result(StepResult(batch.step, batch.rids, [7] * len(batch.rids)))
+
+
+def embeds(s) -> list:
+    return [o for o in s.take_outputs() if isinstance(o, (EmbedOut, ReqError))]
+
+
+def test_rows_take_turns_with_generation_and_hold_no_slot():
+    s = make_scheduler(chunked_prefill_size=16)
+    submit(s, "gen", 20, max_new=6)
+    inputs = [[3] * 10, [4] * 10, [5] * 3, [6] * 12]
+    s.on_request(EmbedReq("emb", inputs))
+    kinds, outs = [], []
+
+    def slots():
+        return s.kv.allocator.available_size(), s.kv.tree.evictable_size()
+
+    while s.busy:
+        batch = s.next_batch()
+        if batch is None:
+            break
+        kinds.append(type(batch).__name__)
+        if isinstance(batch, EmbedBatch):
+            assert sum(len(r.input_ids) for r in batch.rows) <= 16 or len(batch.rows) == 1
+            before = slots()
+        answer(s, batch)
+        if isinstance(batch, EmbedBatch):
+            assert slots() == before  # an embed step takes no slot and evicts nothing
+        outs += embeds(s)
+    assert kinds[:4] == ["EmbedBatch", "ExtendBatch", "EmbedBatch", "ExtendBatch"], kinds
+    assert kinds.count("EmbedBatch") == 3  # 10 | 10 + 3 | 12 within 16 tokens a step
+    (out,) = outs
+    assert out.rid == "emb" and out.prompt_tokens == 35
+    got = [struct.unpack("<2f", v) for v in out.embeddings]
+    assert got == [(i, len(ids)) for i, ids in enumerate(inputs)]
+
+
+def test_refusals_name_the_input():
+    s = make_scheduler(context_length=64)
+    s.on_request(EmbedReq("a", []))
+    s.on_request(EmbedReq("b", [[1], []]))
+    s.on_request(EmbedReq("c", [[1] * 65]))
+    submit(s, "d", 4)
+    s.on_request(EmbedReq("d", [[1]]))
+    errors = {e.rid: (e.code, e.message) for e in s.take_outputs()}
+    assert errors["a"][0] == "invalid_request_error" and "1 to 2048 inputs" in errors["a"][1]
+    assert "input[1] has no tokens" in errors["b"][1]
+    assert errors["c"][0] == "context_length_exceeded" and "input[0] has 65" in errors["c"][1]
+    assert errors["d"][0] == "duplicate_request_id"
+    assert not s.embeds.waiting
+
+
+def test_an_aborted_request_is_dropped_and_its_rows_in_flight_ignored():
+    s = make_scheduler(chunked_prefill_size=8)
+    s.on_request(EmbedReq("x", [[3] * 8, [4] * 8]))
+    batch = s.next_batch()
+    s.abort("x")
+    assert not s.embeds.waiting  # its second row never runs
+    answer(s, batch)
+    assert embeds(s) == [] and s.next_batch() is None
+
+
+def test_a_failed_step_fails_its_requests_500_or_503_out_of_memory():
+    s = make_scheduler(chunked_prefill_size=8)
+    s.on_request(EmbedReq("x", [[3] * 4, [4] * 4, [5] * 8]))
+    s.on_request(EmbedReq("y", [[6] * 2]))
+    batch = s.next_batch()
+    s.on_result(WorkerError(batch.step, "boom"))
+    (error,) = embeds(s)
+    assert (error.rid, error.status) == ("x", 500)
+    batch = s.next_batch()
+    assert [r.rid for r in batch.rows] == ["y"]  # x's third row went with it
+    s.on_result(WorkerError(batch.step, "out of memory", out_of_memory=True))
+    (error,) = embeds(s)
+    assert (error.rid, error.status, error.code) == ("y", 503, "out_of_memory")
+    assert error.retry_after > 0
