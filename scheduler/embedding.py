@@ -2,9 +2,14 @@
 
 An EmbedReq's inputs become rows; a batch takes waiting rows in arrival order up to
 --chunked-prefill-size tokens (at least one row, which the context bounds), the same
-budget a prefill step has. Rows hold no slot and never reach the trie, so an embedding
-cannot evict anyone's cached prefix; the worker runs them without its KV pool
-(worker_mlx/embed_pass.py). A request is answered (EmbedOut) once all its rows are back.
+budget a prefill step has, and, under --max-memory, as many as fit beside the running
+requests' decode buffer, each row counted as a prefill of its worst pass (a row longer
+than a pass runs in passes over a cache of its own: its last pass, which attends to the
+whole row). A request with a row that could never fit is refused at entry.
+
+Rows hold no slot and never reach the trie, so an embedding cannot evict anyone's cached
+prefix; the worker runs them without its KV pool (worker_mlx/embed_pass.py). A request
+is answered (EmbedOut) once all its rows are back.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.messages import EmbedBatch, EmbedOut, EmbedReq, EmbedResult, EmbedRow, ReqError
+from scheduler.memory_budget import MemoryBudget
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -25,8 +31,8 @@ class _Job:
 
 
 class EmbedQueue:
-    def __init__(self, context_len: int, batch_tokens: int):
-        self.context_len, self.batch_tokens = context_len, batch_tokens
+    def __init__(self, context_len: int, batch_tokens: int, memory: MemoryBudget | None = None):
+        self.context_len, self.batch_tokens, self.memory = context_len, batch_tokens, memory
         self.waiting: deque[EmbedRow] = deque()
         self.jobs: dict[str, _Job] = {}
         self.requests = 0  # answered requests and their tokens, for the log
@@ -35,6 +41,8 @@ class EmbedQueue:
     def add(self, req: EmbedReq, rid_in_use: bool) -> ReqError | None:
         """Queue `req`'s rows, or the error it gets (the router checks these first)."""
         why = _reject_reason(req, self.context_len, rid_in_use or req.rid in self.jobs)
+        if why is None and self.memory is not None:
+            why = self._never_fits(req)
         if why is not None:
             return ReqError(req.rid, why[1], code=why[0])
         tokens = sum(len(ids) for ids in req.inputs)
@@ -49,15 +57,38 @@ class EmbedQueue:
         self.waiting = deque(r for r in self.waiting if r.rid != rid)
         return True
 
-    def next_batch(self, step: int) -> EmbedBatch | None:
+    def next_batch(self, step: int, running: list[int] = ()) -> EmbedBatch | None:
+        """The next rows, beside running requests of `running` lengths (None: none fits
+        beside them now; they wait for generation to make room)."""
         rows, tokens = [], 0
         while self.waiting and (
             not rows or tokens + len(self.waiting[0].input_ids) <= self.batch_tokens
         ):
+            if not self._fits(running, rows + [self.waiting[0]]):
+                break
             row = self.waiting.popleft()
             rows.append(row)
             tokens += len(row.input_ids)
         return EmbedBatch(step, rows) if rows else None
+
+    def _passes(self, rows: list[EmbedRow]) -> list[tuple[int, int]]:
+        """Each row's worst pass as a prefill's (tokens before, new tokens)."""
+        step = self.memory.report.prefill_step
+        return [(max(0, len(r.input_ids) - step), min(step, len(r.input_ids))) for r in rows]
+
+    def _fits(self, running: list[int], rows: list[EmbedRow]) -> bool:
+        if self.memory is None:
+            return True
+        return self.memory.step_bytes(list(running), self._passes(rows)) <= self.memory.headroom
+
+    def _never_fits(self, req: EmbedReq) -> tuple[str, str] | None:
+        for i, ids in enumerate(req.inputs):
+            if not self._fits([], [EmbedRow(req.rid, i, ids)]):
+                return "insufficient_memory", (
+                    f"input[{i}] ({len(ids)} tokens) needs more memory than --max-memory "
+                    "leaves beside what the worker holds"
+                )
+        return None
 
     def on_result(self, batch: EmbedBatch, result: EmbedResult) -> list[EmbedOut | ReqError]:
         if len(result.embeddings) != len(batch.rows):

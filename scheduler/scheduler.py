@@ -66,8 +66,6 @@ class Scheduler:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step = 0
         self.in_flight: PrefillBatch | list[Req] | EmbedBatch | None = None
-        # embeddings: rows of no KV, in steps of their own between the others
-        self.embeds = EmbedQueue(self.context_len, args.chunked_prefill_size)
         self.last_was_embed = False
         self.retracted = 0
         self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
@@ -79,6 +77,8 @@ class Scheduler:
         self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
         # --max-memory: what each step may hold (None: a worker that reports no figures)
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
+        # embeddings: rows of no KV, in steps of their own between the others
+        self.embeds = EmbedQueue(self.context_len, args.chunked_prefill_size, self.memory)
 
     # ------------------------------------------------------------ inputs
 
@@ -183,8 +183,12 @@ class Scheduler:
         if not self.embeds.waiting or (self.last_was_embed and others):
             self.last_was_embed = False
             return None
+        batch = self.embeds.next_batch(self.step + 1, [r.seq_len for r in self.running])
+        if batch is None:  # not beside the running requests: after them
+            self.last_was_embed = False
+            return None
         self.step += 1
-        self.in_flight = batch = self.embeds.next_batch(self.step)
+        self.in_flight = batch
         self.last_was_embed = True
         logger.info(
             "Embed batch, #row: %d, #token: %d, #queue-row: %d, #running-req: %d",

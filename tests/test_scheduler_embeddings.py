@@ -108,3 +108,27 @@ def test_a_failed_step_fails_its_requests_500_or_503_out_of_memory():
     (error,) = embeds(s)
     assert (error.rid, error.status, error.code) == ("y", 503, "out_of_memory")
     assert error.retry_after > 0
+
+
+def test_under_max_memory_rows_fit_beside_the_running_or_are_refused():
+    from common.messages import MemoryReport, WorkerReady
+    from common.server_args import ServerArgs
+    from scheduler.scheduler import Scheduler
+
+    # a 64-token row's pass: 64 x (64 x 100 + 2 x 1000) = 537,600 bytes; two do not fit
+    report = MemoryReport(budget=1_000_000, fixed=0, kv_token_bytes=1000, score_bytes=100,
+                          act_token_bytes=1000, row_bytes=0, prefill_step=64)  # fmt: skip
+    ready = WorkerReady(4096, "test", 2, 2, 8, "float32", 4096, 1000, [0], "none", memory=report)
+    s = Scheduler(ServerArgs(model_path="in-process"), ready)
+    s.on_request(EmbedReq("big", [[3] * 200]))  # its last pass attends to 200 tokens
+    (error,) = embeds(s)
+    assert error.code == "insufficient_memory" and "input[0] (200 tokens)" in error.message
+    s.on_request(EmbedReq("two", [[3] * 64, [4] * 64]))
+    first = s.next_batch()
+    assert len(first.rows) == 1
+    answer(s, first)
+    second = s.next_batch()
+    assert len(second.rows) == 1
+    answer(s, second)
+    (out,) = embeds(s)
+    assert out.rid == "two" and len(out.embeddings) == 2
