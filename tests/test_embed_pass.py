@@ -79,3 +79,19 @@ def test_pooling_is_read_from_sentence_transformers_config(embed_model, tmp_path
     Path(tmp_path / "modules.json").write_text(json.dumps(modules))
     pooling = read_pooling(str(tmp_path))
     assert (pooling.mode, pooling.normalize) == ("mean", False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_next", "nemotron_h"])
+def test_the_body_is_what_the_head_reads_and_padding_changes_nothing(tiny_arch, arch):
+    """Across families (sliding windows, recurrent layers): the body's output is the
+    final normed hidden state the LM head reads, and a row batched with longer ones
+    (right-padded) embeds as alone."""
+    model, tokenizer = load_model(tiny_arch(arch))
+    embedder = Embedder(model, Pooling("mean", True, "test"), 256, len(tokenizer.vocab))
+    assert embedder.dim == 64
+    x = mx.array([ROWS[0]])
+    head = getattr(model, "lm_head", None) or embedder.body.embed_tokens.as_linear
+    np.testing.assert_allclose(np.array(head(embedder.body(x))), np.array(model(x)), atol=1e-5)
+    batched = vectors(embedder, ROWS)
+    for ids, got in zip(ROWS, batched):
+        np.testing.assert_allclose(got, vectors(embedder, [ids])[0], atol=1e-5)

@@ -77,12 +77,14 @@ def _st_mode(module_dir: Path, default: str) -> str:
 
 
 def model_body(model):
-    """The module that maps token ids to the final normed hidden states (mlx-lm's
-    `Model.model`; a multimodal wrapper's `language_model.model`), or None."""
+    """The module that maps token ids to the final normed hidden states, which the LM
+    head reads: mlx-lm's `Model.model` (`backbone` in Nemotron-H's and Mamba's; a
+    multimodal wrapper's `language_model.model`), or None."""
     for owner in (model, getattr(model, "language_model", None)):
-        body = getattr(owner, "model", None) if owner is not None else None
-        if body is not None and callable(body):
-            return body
+        for name in ("model", "backbone"):
+            body = getattr(owner, name, None) if owner is not None else None
+            if body is not None and callable(body):
+                return body
     return None
 
 
