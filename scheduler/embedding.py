@@ -14,12 +14,22 @@ is answered (EmbedOut) once all its rows are back.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from common.messages import EmbedBatch, EmbedOut, EmbedReq, EmbedResult, EmbedRow, ReqError
-from scheduler.memory_budget import MemoryBudget
+from common.messages import (
+    EmbedBatch,
+    EmbedOut,
+    EmbedReq,
+    EmbedResult,
+    EmbedRow,
+    ReqError,
+    WorkerError,
+)
+from scheduler.memory_budget import RETRY_AFTER, MemoryBudget
 
+logger = logging.getLogger("scheduler")
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
 
@@ -69,7 +79,13 @@ class EmbedQueue:
             row = self.waiting.popleft()
             rows.append(row)
             tokens += len(row.input_ids)
-        return EmbedBatch(step, rows) if rows else None
+        if not rows:
+            return None
+        logger.info(
+            "Embed batch, #row: %d, #token: %d, #queue-row: %d, #running-req: %d",
+            len(rows), tokens, len(self.waiting), len(running),
+        )  # fmt: skip
+        return EmbedBatch(step, rows)
 
     def _passes(self, rows: list[EmbedRow]) -> list[tuple[int, int]]:
         """Each row's worst pass as a prefill's (tokens before, new tokens)."""
@@ -90,7 +106,19 @@ class EmbedQueue:
                 )
         return None
 
-    def on_result(self, batch: EmbedBatch, result: EmbedResult) -> list[EmbedOut | ReqError]:
+    def answer(
+        self, batch: EmbedBatch, result: EmbedResult | WorkerError
+    ) -> list[EmbedOut | ReqError]:
+        """What the batch's result answers: the requests it completed, or (a failed step)
+        an error for each of its requests, 503 when it ran out of memory."""
+        if isinstance(result, EmbedResult):
+            return self._completed(batch, result)
+        logger.error("worker failed an embed step of %d rows: %s", len(batch.rows), result.message)
+        if result.out_of_memory:
+            return self.fail(batch, result.message, "out_of_memory", 503, RETRY_AFTER)
+        return self.fail(batch, result.message)
+
+    def _completed(self, batch: EmbedBatch, result: EmbedResult) -> list[EmbedOut | ReqError]:
         if len(result.embeddings) != len(batch.rows):
             return self.fail(batch, "the worker answered another number of embeddings")
         done = []

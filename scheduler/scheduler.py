@@ -190,11 +190,6 @@ class Scheduler:
         self.step += 1
         self.in_flight = batch
         self.last_was_embed = True
-        logger.info(
-            "Embed batch, #row: %d, #token: %d, #queue-row: %d, #running-req: %d",
-            len(batch.rows), sum(len(r.input_ids) for r in batch.rows),
-            len(self.embeds.waiting), len(self.running),
-        )  # fmt: skip
         return batch
 
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
@@ -290,7 +285,8 @@ class Scheduler:
     def on_result(self, result: StepResult | WorkerError | EmbedResult) -> None:
         batch, self.in_flight = self.in_flight, None
         if isinstance(batch, EmbedBatch):
-            self._after_embed(batch, result)
+            self.outputs.extend(self.embeds.answer(batch, result))
+            self._apply_aborts()  # those that came while it ran
             return
         if getattr(result, "collective_seconds", 0.0):
             self.collective_seconds = result.collective_seconds
@@ -304,17 +300,6 @@ class Scheduler:
         self._apply_aborts()
         if self.args.debug_invariants:
             self.check_invariants()
-
-    def _after_embed(self, batch: EmbedBatch, result: EmbedResult | WorkerError) -> None:
-        if isinstance(result, EmbedResult):
-            self.outputs.extend(self.embeds.on_result(batch, result))
-            return
-        logger.error("worker failed an embed step of %d rows: %s", len(batch.rows), result.message)
-        if result.out_of_memory:
-            errors = self.embeds.fail(batch, result.message, "out_of_memory", 503, RETRY_AFTER)
-        else:
-            errors = self.embeds.fail(batch, result.message)
-        self.outputs.extend(errors)
 
     def _after_prefill(self, batch: PrefillBatch, result: StepResult) -> None:
         row = {rid: i for i, rid in enumerate(result.rids)}

@@ -288,12 +288,7 @@ class RouterManager:
         prompt_cache_key) picks the replica (router.replicas.routing.by_key) rather than
         the routing policy."""
         await self._wait_serving()
-        if len(self.pending) >= self.max_pending:
-            raise RequestError(
-                f"server overloaded: {len(self.pending)} requests in flight "
-                f"(--max-queued-requests {self.max_pending}); retry later",
-                "overloaded", 503,
-            )  # fmt: skip
+        self._check_room()
         rid = rid or uuid.uuid4().hex
         if rid in self.pending:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")
@@ -331,11 +326,20 @@ class RouterManager:
             if not finished and pending.replica is not None:
                 self._send_nowait(pending.replica, AbortReq(rid))
 
+    def _check_room(self) -> None:
+        if len(self.pending) >= self.max_pending:
+            raise RequestError(
+                f"server overloaded: {len(self.pending)} requests in flight "
+                f"(--max-queued-requests {self.max_pending}); retry later",
+                "overloaded", 503,
+            )  # fmt: skip
+
     async def embed(self, inputs: list[list[int]]) -> EmbedOut:
         """The inputs' embeddings, from the least loaded replica that serves (embeddings
         use no cache, so no replica's is better); a request lost with its replica is sent
         once to another."""
         await self._wait_serving()
+        self._check_room()
         rid = uuid.uuid4().hex
         self.pending[rid] = pending = _Pending()
         finished = False
