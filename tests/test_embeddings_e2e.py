@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.server import checked_server
+from tests.server import checked_server, log_lines
 from tests.test_embed_pass import reference
 
 pytestmark = pytest.mark.slow
@@ -48,11 +48,14 @@ def encode(path: str, text: str) -> list[int]:
     return load_model(path)[1].encode(text)
 
 
-def test_sdk_float_and_base64_equal_the_reference(client, embed_model):
+def test_sdk_float_and_base64_equal_the_reference(server, client, embed_model):
     floats = client.embeddings.create(model="m", input=TEXTS, encoding_format="float")
     packed = client.embeddings.create(model="m", input=TEXTS)  # the SDK asks for base64
     ids = [encode(embed_model, t) for t in TEXTS]
-    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
+    n = sum(map(len, ids))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == n
+    line = rf"POST /v1/embeddings 200, latency: \S+ s, #prompt-token: {n}, #cached-token: 0,"
+    assert log_lines(server, line)
     assert [d.index for d in floats.data] == [0, 1, 2]
     for a, b, row in zip(floats.data, packed.data, ids):
         want = reference(embed_model, row, "last")

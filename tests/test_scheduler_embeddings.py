@@ -132,3 +132,17 @@ def test_under_max_memory_rows_fit_beside_the_running_or_are_refused():
     answer(s, second)
     (out,) = embeds(s)
     assert out.rid == "two" and len(out.embeddings) == 2
+
+
+def test_a_generation_aborted_during_an_embed_step_is_released_after_it():
+    s = make_scheduler()
+    submit(s, "gen", 8, max_new=20)
+    answer(s, s.next_batch())  # its prefill: it runs
+    s.on_request(EmbedReq("e", [[3] * 4]))
+    batch = s.next_batch()
+    assert isinstance(batch, EmbedBatch)
+    s.abort("gen")  # while the embed step is in flight
+    answer(s, batch)
+    assert not s.running and s.pending_release and s.pending_release[0].rid == "gen"
+    finished = [o for o in s.take_outputs() if getattr(o, "finish_reason", None) == "abort"]
+    assert [o.rid for o in finished] == ["gen"]

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import StrictInt
 
+from router.api.access_log import count_embedded
 from router.api.api_context import ApiContext
 from router.api.request_body import RequestBody
 from router.request_error import RequestError
@@ -48,6 +49,7 @@ class EmbeddingRoutes:
             )
         inputs = self._inputs(req.input)
         out = await self.api.manager.embed(inputs)
+        count_embedded(out.prompt_tokens)
         vectors = [np.frombuffer(v, dtype="<f4") for v in out.embeddings]
         if req.dimensions is not None:
             vectors = [self._truncate(v, req.dimensions) for v in vectors]
