@@ -363,6 +363,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
     p.add_argument("--loop", action="store_true", help="zero attention outputs: greedy cycles")
     p.add_argument(
+        "--embedding", action="store_true", help="also a sentence-transformers embedding model"
+    )
+    p.add_argument(
         "--silent-from",
         type=int,
         metavar="N",
@@ -402,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
         silent_from=args.silent_from,
         **dims,
     )
+    if args.embedding:
+        write_sentence_transformers(out, dims["hidden"])
     print(f"wrote {args.preset} {args.arch} model to {out}")
 
 
