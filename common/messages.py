@@ -318,6 +318,8 @@ class WorkerReady:
     # the width of its embeddings (the hidden size); 0: the model cannot embed
     embedding_dim: int = 0
     embedding_normalized: bool = True
+    # False: an embedding model's body without an LM head (worker_mlx/headless.py)
+    generates: bool = True
 
 
 @dataclass

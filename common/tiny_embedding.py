@@ -28,3 +28,22 @@ def write_sentence_transformers(out: Path, hidden: int, pooling: str = "last",
     config |= {"word_embedding_dimension": hidden, "include_prompt": True}
     (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
     (out / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def save_as_body_only(src: Path, out: Path) -> Path:
+    """`src` (a model built untied) saved as Qwen3-Embedding's checkpoints are, from
+    transformers' AutoModel: the body's weights without the `model.` prefix and no LM
+    head, which mlx-lm's own load refuses (the worker loads it: worker_mlx/headless.py)."""
+    import shutil
+
+    import mlx.core as mx
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.rglob("*"):
+        if f.is_file() and f.name != "model.safetensors":
+            (out / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, out / f.relative_to(src))
+    weights = mx.load(str(src / "model.safetensors"))
+    body = {k.removeprefix("model."): v for k, v in weights.items() if not k.startswith("lm_head")}
+    mx.save_safetensors(str(out / "model.safetensors"), body, metadata={"format": "mlx"})
+    return out

@@ -50,6 +50,7 @@ class Scheduler:
         self.args = args
         self.context_len = args.context_length or worker.context_len
         self.eos_ids = frozenset(worker.eos_token_ids)
+        self.generates = worker.generates  # False: an embedding model's body alone
         self.kv = KVCacheManager(
             worker.num_slots,
             args.max_running_requests + 1,
@@ -107,6 +108,10 @@ class Scheduler:
             return "duplicate_request_id", f"request id {msg.rid!r} is already in use"
         if n == 0:
             return "invalid_request_error", "the prompt has no tokens"
+        if not self.generates:
+            return "invalid_request_error", (
+                "this model is an embedding model without an LM head: it serves /v1/embeddings only"
+            )
         try:
             msg.sampling.validate()
         except ValueError as exc:

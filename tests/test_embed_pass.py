@@ -95,3 +95,37 @@ def test_the_body_is_what_the_head_reads_and_padding_changes_nothing(tiny_arch, 
     batched = vectors(embedder, ROWS)
     for ids, got in zip(ROWS, batched):
         np.testing.assert_allclose(got, vectors(embedder, [ids])[0], atol=1e-5)
+
+
+def build_body_only(root: Path) -> tuple[str, str]:
+    """(a full untied embedding model, the same saved as Qwen3-Embedding-4B/8B's
+    checkpoints are: body weights without the `model.` prefix, no LM head)."""
+    from common.tiny_embedding import save_as_body_only, write_sentence_transformers
+    from common.tiny_model import build_tiny_model
+    from common.tiny_presets import PRESETS
+
+    full = build_tiny_model(root / "full", tie_word_embeddings=False, **PRESETS["tiny"])
+    write_sentence_transformers(full, PRESETS["tiny"]["hidden"])
+    return str(full), str(save_as_body_only(full, root / "body"))
+
+
+@pytest.fixture(scope="module")
+def body_only(tmp_path_factory) -> tuple[str, str]:
+    return build_body_only(tmp_path_factory.mktemp("body-only"))
+
+
+def test_a_body_only_checkpoint_loads_and_embeds_as_the_full_model(body_only):
+    from mlx_lm import load
+
+    from worker_mlx.headless import load_headless
+    from worker_mlx.loader import _load_servable
+
+    full, body = body_only
+    with pytest.raises(ValueError):
+        load(body)  # mlx-lm's own load refuses it
+    assert load_headless(full) is None  # a complete checkpoint is not one
+    model, tokenizer, _config, _layouts = _load_servable(body)
+    assert model.headless and model.body_only
+    embedder = Embedder(model, read_pooling(body), 256, len(tokenizer.vocab))
+    for ids, got in zip(ROWS, vectors(embedder, ROWS)):
+        np.testing.assert_allclose(got, reference(full, ids, "last"), atol=1e-4)

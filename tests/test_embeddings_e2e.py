@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.server import checked_server, log_lines
-from tests.test_embed_pass import reference
+from tests.test_embed_pass import build_body_only, reference
 
 pytestmark = pytest.mark.slow
 
@@ -158,3 +158,20 @@ def test_embeddings_never_evict_cached_prefixes(server, embed_model):
     tokens = re.search(r'radix_mlx_embedding_tokens_total\{replica="r0"\} (\S+)', metrics)
     assert float(requests.group(1)) >= 3 and float(tokens.group(1)) >= 1500
     assert re.search(r"Embed batch, #row: \d+, #token: \d+", server.log())
+
+
+def test_a_body_only_checkpoint_serves_embeddings_and_refuses_generation(tmp_path_factory):
+    """Qwen3-Embedding-4B/8B's kind of checkpoint: no LM head. Embeddings as the full
+    model's; generation is a 400 that says why, on every generation endpoint."""
+    full, body = build_body_only(tmp_path_factory.mktemp("body-only"))
+    log = tmp_path_factory.mktemp("body-only-server") / "server.log"
+    with checked_server(body, log, ["--max-total-tokens", "512"]) as srv:
+        ids = encode(full, TEXTS[0])
+        got = httpx.post(srv.url + "/v1/embeddings", json={"input": ids}).json()
+        np.testing.assert_allclose(got["data"][0]["embedding"], reference(full, ids, "last"),
+                                   atol=1e-4)  # fmt: skip
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for path, body_ in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi"})]:
+            reply = httpx.post(srv.url + path, json=body_)
+            assert reply.status_code == 400, reply.text
+            assert "serves /v1/embeddings only" in reply.json()["error"]["message"]

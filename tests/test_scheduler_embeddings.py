@@ -146,3 +146,17 @@ def test_a_generation_aborted_during_an_embed_step_is_released_after_it():
     assert not s.running and s.pending_release and s.pending_release[0].rid == "gen"
     finished = [o for o in s.take_outputs() if getattr(o, "finish_reason", None) == "abort"]
     assert [o.rid for o in finished] == ["gen"]
+
+
+def test_a_model_without_an_lm_head_refuses_generation():
+    from common.messages import GenerateReq, SamplingParams, WorkerReady
+    from common.server_args import ServerArgs
+    from scheduler.scheduler import Scheduler
+
+    ready = WorkerReady(4096, "test", 2, 2, 8, "float32", 4096, 1000, [0], "none", generates=False)
+    s = Scheduler(ServerArgs(model_path="in-process"), ready)
+    s.on_request(GenerateReq("g", [3, 4], SamplingParams(max_new_tokens=2)))
+    (error,) = s.take_outputs()
+    assert error.status == 400 and "serves /v1/embeddings only" in error.message
+    s.on_request(EmbedReq("e", [[3, 4]]))
+    assert isinstance(s.next_batch(), EmbedBatch)

@@ -65,6 +65,7 @@ def run_worker(
         )
         ready.embedding_dim = embedder.dim
         ready.embedding_normalized = embedder.pooling.normalize
+    ready.generates = not getattr(runner.model, "headless", False)
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
