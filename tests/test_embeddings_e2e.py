@@ -12,6 +12,8 @@ import numpy as np
 import openai
 import pytest
 
+from router.client import AsyncClient
+from tests.conftest import mlx_greedy
 from tests.server import checked_server, log_lines
 from tests.test_embed_pass import build_body_only, reference
 
@@ -141,23 +143,32 @@ def test_embeddings_never_evict_cached_prefixes(server, embed_model):
     assert before == len(prompt) - 1
 
     async def together():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-            gen = http.post("/v1/completions", json={"prompt": [7] * 100, "max_tokens": 40,
-                                                     "ignore_eos": True})  # fmt: skip
-            embeds = [http.post("/v1/embeddings", json={"input": [[i + 3] * 250] * 2})
-                      for i in range(3)]  # fmt: skip
-            return await asyncio.gather(gen, *embeds)
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=120) as http,
+            AsyncClient(server.zmq_address, timeout=120) as sdk,
+        ):
+            stream = sdk.stream(input_ids=[7] * 100, max_new_tokens=150, temperature=0,
+                                ignore_eos=True)  # fmt: skip
+            first = await anext(stream)  # it runs: the embeddings come while it decodes
+            embeds = asyncio.gather(
+                *(http.post("/v1/embeddings", json={"input": [[i + 3] * 250] * 2})
+                  for i in range(3))
+            )  # fmt: skip
+            tokens = first.token_ids + [t for c in [c async for c in stream] for t in c.token_ids]
+            return tokens, await embeds
 
-    replies = asyncio.run(together())
+    generated, replies = asyncio.run(together())
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
-    assert replies[0].json()["usage"]["completion_tokens"] == 40
+    assert re.search(r"Embed batch, #row: \d+, #token: \d+, #queue-row: \d+, #running-req: 1",
+                     server.log())  # fmt: skip
+    # decode steps (and those computed ahead) between embed steps stay mlx-lm's
+    assert generated == mlx_greedy(embed_model, [7] * 100, 150)
     assert complete(1)["usage"]["prompt_tokens_details"]["cached_tokens"] == before
     metrics = httpx.get(server.url + "/metrics").text
     assert re.search(r'radix_mlx_evicted_tokens_total\{replica="r0"\} 0\.0', metrics)
     requests = re.search(r'radix_mlx_embedding_requests_total\{replica="r0"\} (\S+)', metrics)
     tokens = re.search(r'radix_mlx_embedding_tokens_total\{replica="r0"\} (\S+)', metrics)
     assert float(requests.group(1)) >= 3 and float(tokens.group(1)) >= 1500
-    assert re.search(r"Embed batch, #row: \d+, #token: \d+", server.log())
 
 
 def test_a_body_only_checkpoint_serves_embeddings_and_refuses_generation(tmp_path_factory):
