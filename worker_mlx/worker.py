@@ -59,6 +59,8 @@ def run_worker(
     engine, ready = load_runner(args, blas, rank)  # a runner, or a Verifier around one
     runner = engine.runner
     embedder = None  # a distributed worker does not embed (the router refuses it)
+    if spec is not None and spec.rank == 0:
+        logger.info("embeddings off: a distributed worker does not embed")
     if spec is None:
         embedder = load_embedder(
             args.model_path, runner.model, args.pooling, runner.prefill_step, runner.vocab_size

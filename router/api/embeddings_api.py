@@ -73,8 +73,8 @@ class EmbeddingRoutes:
         width = ready.embedding_dim if ready is not None else 0
         if not width:
             raise RequestError(
-                f"model {self.api.model_name!r} cannot embed: its body returns no hidden "
-                "states (see the worker's log)",
+                f"model {self.api.model_name!r} cannot embed here: the worker's log says "
+                "why (a body that returns no hidden states, or a distributed worker)",
                 param="model",
             )
         return width
