@@ -92,9 +92,12 @@ def test_the_body_is_what_the_head_reads_and_padding_changes_nothing(tiny_arch, 
     x = mx.array([ROWS[0]])
     head = getattr(model, "lm_head", None) or embedder.body.embed_tokens.as_linear
     np.testing.assert_allclose(np.array(head(embedder.body(x))), np.array(model(x)), atol=1e-5)
-    batched = vectors(embedder, ROWS)
-    for ids, got in zip(ROWS, batched):
+    long = ROWS + [[(7 * i) % 400 + 2 for i in range(40)]]  # past gemma3's 16-token window
+    batched = vectors(embedder, long)
+    for ids, got in zip(long, batched):
         np.testing.assert_allclose(got, vectors(embedder, [ids])[0], atol=1e-5)
+    in_passes = Embedder(model, Pooling("mean", True, "test"), 8, len(tokenizer.vocab))
+    np.testing.assert_allclose(vectors(in_passes, long[-1:])[0], batched[-1], atol=1e-5)
 
 
 def build_body_only(root: Path) -> tuple[str, str]:
