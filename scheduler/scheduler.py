@@ -148,7 +148,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ batches
 
-    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
+    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | EmbedBatch | None:
         """The next message for the worker, or None when idle."""
         embed = self._embed_batch()
         if embed is not None:
