@@ -2,8 +2,10 @@
 
 Three links (see docs/architecture.md):
   client SDK <-> router      Client* messages on the router's ZMQ front door
-  router <-> scheduler       GenerateReq / AbortReq down, TokenOutBatch / ReqError up
-  scheduler <-> worker       ExtendBatch / DecodeBatch / ReleaseBatch down, StepResult up
+  router <-> scheduler       GenerateReq / AbortReq / EmbedReq down, TokenOutBatch /
+                             ReqError / EmbedOut up
+  scheduler <-> worker       ExtendBatch / DecodeBatch / ReleaseBatch / EmbedBatch down,
+                             StepResult / EmbedResult up
   router <-> remote replica  the router <-> scheduler messages, ReplicaPing / ReplicaStatus
 Each receiver decodes with its own registry below, so a message sent to the wrong socket
 is rejected as unknown rather than misread. The SDK link's messages (and SamplingParams)
@@ -54,6 +56,25 @@ class AbortReq:
 
 
 @dataclass
+class EmbedReq:
+    """An embeddings request: one row per input, pooled and answered together (EmbedOut).
+    No KV is kept and the prefix cache is never touched."""
+
+    rid: str
+    inputs: list[list[int]]
+
+
+@dataclass
+class EmbedOut:
+    """Each input's embedding as little-endian float32 bytes (pooled, normalized unless
+    the model's sentence-transformers config says otherwise), in input order."""
+
+    rid: str
+    embeddings: list[bytes]
+    prompt_tokens: int
+
+
+@dataclass
 class TokenOut:
     """New tokens of one request since its previous TokenOut."""
 
@@ -99,6 +120,9 @@ class SchedulerReady:
     # budget, and what it holds for good (weights, pools), for a budget over several models
     memory_budget: int = 0
     memory_fixed: int = 0
+    # the width of the worker's embeddings (the model's hidden size); 0: it cannot embed
+    embedding_dim: int = 0
+    embedding_normalized: bool = True  # they are L2-normalized (the model's config says)
 
 
 @dataclass
@@ -204,6 +228,32 @@ class DecodeBatch:
 
 
 @dataclass
+class EmbedRow:
+    """One input of an EmbedReq: `index` is its place among the request's inputs."""
+
+    rid: str
+    index: int
+    input_ids: list[int]
+
+
+@dataclass
+class EmbedBatch:
+    """Rows to embed (worker_mlx/embed_pass.py): forward passes with no cache kept, so
+    the KV pool, the decode buffer and the releases are not part of it."""
+
+    step: int
+    rows: list[EmbedRow]
+
+
+@dataclass
+class EmbedResult:
+    """Per row of the EmbedBatch, in its order, the embedding as EmbedOut's."""
+
+    step: int
+    embeddings: list[bytes]
+
+
+@dataclass
 class ReleaseBatch:
     step: int
     release: list[ReleaseReq]
@@ -274,6 +324,11 @@ class WorkerReady:
     verifies_drafts: bool = False
     # None: admission counts KV slots only (a scripted worker, an older worker)
     memory: MemoryReport | None = None
+    # the width of its embeddings (the hidden size); 0: the model cannot embed
+    embedding_dim: int = 0
+    embedding_normalized: bool = True
+    # False: an embedding model's body without an LM head (worker_mlx/headless.py)
+    generates: bool = True
 
 
 @dataclass
@@ -329,11 +384,11 @@ class ReplicaFrameError:
     message: str
 
 
-SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq)
-SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError)
+SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq, EmbedReq)
+SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError, EmbedResult)
 ROUTER_INBOX = _registry(
-    TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted, WorkerHung
+    TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted, WorkerHung, EmbedOut
 )
-WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch)
-REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing)
+WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch)
+REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing, EmbedReq)
 REPLICA_CONTROL_INBOX = _registry(ReplicaStatus, ReplicaFrameError)

@@ -85,6 +85,13 @@ class ServerArgs:
         "int8/int4 (mlx-lm's quantized KV cache, groups of 64 along the head dim)",
         choices=["auto", "bf16", "fp16", "int8", "int4"],
     )
+    pooling: str | None = flag(
+        None,
+        "how /v1/embeddings pools a model's last hidden states: last (the last token's, "
+        "Qwen3-Embedding's) or mean (default: the model's sentence-transformers pooling "
+        "config, else last)",
+        choices=["last", "mean"],
+    )
     max_running_requests: int = flag(64, "decode batch limit")
     max_queued_requests: int = flag(
         4096, "requests in flight beyond which new ones get 503", commands=SERVE
@@ -353,7 +360,8 @@ class ServerArgs:
         self._validate_models()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
                 raise ValueError(f"{flag_name(f)} must be one of {', '.join(choices)}")
         self._validate_ports()
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

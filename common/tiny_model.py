@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes as mlx_lm_model_classes
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from common.tiny_embedding import write_sentence_transformers
 from common.tiny_families import FAMILIES, family_config
 from common.tiny_presets import PRESETS
 from common.tiny_weights import random_weights
@@ -272,8 +273,11 @@ def ensure_tiny_model(
     seed: int = 0,
     bos: bool = False,
     loop: bool = False,
+    embedding: bool = False,
 ) -> Path:
     """Return a cached model dir, building it once; safe against concurrent builders.
+    With ``embedding`` it is also a sentence-transformers embedding model (last-token
+    pooling, normalized: common/tiny_embedding.py).
 
     The model is built in a private temp dir and renamed into place, so readers only
     ever see complete directories.  If another process wins the race, its copy is kept.
@@ -281,7 +285,7 @@ def ensure_tiny_model(
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    variant = ("-bos" if bos else "") + ("-loop" if loop else "")
+    variant = ("-bos" if bos else "") + ("-loop" if loop else "") + ("-embed" if embedding else "")
     final = cache / f"{preset}-{arch}{variant}-s{seed}-v{BUILDER_VERSION}"
     if final.is_dir():
         return final
@@ -289,6 +293,8 @@ def ensure_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
         build_tiny_model(tmp, arch=arch, seed=seed, bos=bos, loop=loop, **PRESETS[preset])
+        if embedding:
+            write_sentence_transformers(tmp, PRESETS[preset]["hidden"])
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
         try:
             os.rename(tmp, final)
@@ -357,6 +363,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bos", action="store_true", help="the tokenizer adds a BOS, as Llama 3's does")
     p.add_argument("--loop", action="store_true", help="zero attention outputs: greedy cycles")
     p.add_argument(
+        "--embedding", action="store_true", help="also a sentence-transformers embedding model"
+    )
+    p.add_argument(
         "--silent-from",
         type=int,
         metavar="N",
@@ -396,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
         silent_from=args.silent_from,
         **dims,
     )
+    if args.embedding:
+        write_sentence_transformers(out, dims["hidden"])
     print(f"wrote {args.preset} {args.arch} model to {out}")
 
 

@@ -71,6 +71,8 @@ METRICS = {
     "model_loaded": "gauge",
     "model_load_seconds": "histogram",
     "model_evictions": "counter",
+    "embedding_requests": "counter",
+    "embedding_tokens": "counter",
 }
 FINISH_REASONS = ("stop", "length", "abort")
 PROCESSES = ("router", "scheduler", "worker")
@@ -147,6 +149,9 @@ class Metrics:
         )
         self._replica_metrics(r, label)
         self._model_metrics(r)  # no series unless several models are served
+        # apart from prompt_tokens (generation's), whose share cached_tokens is
+        self.embedding_requests = counter("embedding_requests", "Answered /v1/embeddings requests")
+        self.embedding_tokens = counter("embedding_tokens", "Input tokens of embeddings")
         self.collective = histogram(
             "collective_seconds",
             "A distributed worker's decode-step collectives, timed alone every 64 steps",
@@ -215,6 +220,7 @@ class Metrics:
             self.evicted_tokens, self.retracted, self.ttft, self.itl, self.e2e,
             self.queue_time, self.running, self.queued, self.token_usage, self.capacity,
             self.replica_up, self.replica_restarts, self.replica_requests,
+            self.embedding_requests, self.embedding_tokens,
         ):  # fmt: skip
             series.labels(*self._at(replica))
         for reason in FINISH_REASONS:
@@ -295,6 +301,10 @@ class Metrics:
             del self._live[out.rid]
             self.e2e.labels(*self._at(replica)).observe(now - created)
             self.requests.labels(out.finish_reason, *self._at(replica)).inc()
+
+    def observe_embedding(self, tokens: int, replica: str = "r0") -> None:
+        self.embedding_requests.labels(*self._at(replica)).inc()
+        self.embedding_tokens.labels(*self._at(replica)).inc(tokens)
 
     def note_finish(self, rid: str, reason: str) -> None:
         """The router ended a request itself (a stop string matched on the text)."""

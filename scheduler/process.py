@@ -25,6 +25,9 @@ from common.messages import (
     SCHEDULER_FROM_WORKER,
     CacheEvicted,
     DecodeBatch,
+    EmbedBatch,
+    EmbedOut,
+    EmbedReq,
     ExtendBatch,
     GenerateReq,
     ReleaseBatch,
@@ -73,6 +76,8 @@ class SchedulerProcess:
                     ready.model_type,
                     ready.memory.budget if ready.memory else 0,
                     ready.memory.fixed if ready.memory else 0,
+                    ready.embedding_dim,
+                    ready.embedding_normalized,
                 )
             )
         )
@@ -96,7 +101,7 @@ class SchedulerProcess:
             if msg is not None:
                 logger.warning("ignoring %s before the worker is ready", type(msg).__name__)
 
-    def _wait_result(self, batch: ExtendBatch | DecodeBatch):
+    def _wait_result(self, batch: ExtendBatch | DecodeBatch | EmbedBatch):
         """The step's StepResult or WorkerError; a bad frame or a WorkerError naming no
         step (the worker could not read what we sent) ends the wait as a failed step."""
         sent, reported = time.monotonic(), False
@@ -162,7 +167,7 @@ class SchedulerProcess:
                 if isinstance(msg, GenerateReq):
                     self.trace("request", msg.rid)
                 self.sched.on_request(msg)
-            elif isinstance(msg, GenerateReq):  # the router waits for SchedulerReady first
+            elif isinstance(msg, (GenerateReq, EmbedReq)):  # the router waits for SchedulerReady
                 error = ReqError(msg.rid, "the scheduler is starting", "service_unavailable", 503)
                 self.to_router.send(encode(error))
 
@@ -173,6 +178,8 @@ class SchedulerProcess:
             self.trace("extend", batch.step, *(r.rid for r in batch.reqs))
         elif isinstance(batch, DecodeBatch):
             self.trace("decode", batch.step, *batch.rids)
+        elif isinstance(batch, EmbedBatch):
+            self.trace("embed", batch.step, *dict.fromkeys(r.rid for r in batch.rows))
 
     def _send_outputs(self) -> None:
         """Stats first, so a caller that sees its last token and then scrapes /metrics
@@ -183,13 +190,13 @@ class SchedulerProcess:
         if evicted:
             self.to_router.send(encode(CacheEvicted(evicted)))
         outputs = sched.take_outputs()
-        tokens = [o for o in outputs if not isinstance(o, ReqError)]
+        tokens = [o for o in outputs if not isinstance(o, (ReqError, EmbedOut))]
         if tokens:
             self.trace("out", *(t.rid for t in tokens))
             self.to_router.send(encode(TokenOutBatch(tokens)))
-        for err in outputs:
-            if isinstance(err, ReqError):
-                self.to_router.send(encode(err))
+        for other in outputs:  # errors, and embeddings (one message per request)
+            if isinstance(other, (ReqError, EmbedOut)):
+                self.to_router.send(encode(other))
 
     def _send_stats(self, stats) -> None:
         """When they changed (so a scrape is current within one step), and every

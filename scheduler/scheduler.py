@@ -15,6 +15,10 @@ from common.cache_salt import cache_namespace, namespaced_key
 from common.messages import (
     AbortReq,
     DecodeBatch,
+    EmbedBatch,
+    EmbedOut,
+    EmbedReq,
+    EmbedResult,
     ExtendBatch,
     GenerateReq,
     ReleaseBatch,
@@ -28,6 +32,7 @@ from common.messages import (
 )
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
+from scheduler.embedding import EmbedQueue
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
@@ -45,6 +50,7 @@ class Scheduler:
         self.args = args
         self.context_len = args.context_length or worker.context_len
         self.eos_ids = frozenset(worker.eos_token_ids)
+        self.generates = worker.generates  # False: an embedding model's body alone
         self.kv = KVCacheManager(
             worker.num_slots,
             args.max_running_requests + 1,
@@ -57,10 +63,11 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None
         self.pending_release: list[ReleaseReq] = []
-        self.outputs: list[TokenOut | ReqError] = []
+        self.outputs: list[TokenOut | ReqError | EmbedOut] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step = 0
-        self.in_flight: PrefillBatch | list[Req] | None = None
+        self.in_flight: PrefillBatch | list[Req] | EmbedBatch | None = None
+        self.last_was_embed = False
         self.retracted = 0
         self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
@@ -72,12 +79,19 @@ class Scheduler:
         self.num_loras = len(args.loras)  # LoRA adapter ids are 1..num_loras (0: none)
         # --max-memory: what each step may hold (None: a worker that reports no figures)
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
+        # embeddings: rows of no KV, in steps of their own between the others
+        self.embeds = EmbedQueue(self.context_len, args.chunked_prefill_size, self.memory)
 
     # ------------------------------------------------------------ inputs
 
-    def on_request(self, msg: GenerateReq | AbortReq) -> None:
+    def on_request(self, msg: GenerateReq | AbortReq | EmbedReq) -> None:
         if isinstance(msg, AbortReq):
             self.abort(msg.rid)
+            return
+        if isinstance(msg, EmbedReq):
+            error = self.embeds.add(msg, msg.rid in self.reqs)
+            if error is not None:
+                self.outputs.append(error)
             return
         error = self._reject_reason(msg)
         if error is not None:
@@ -98,6 +112,10 @@ class Scheduler:
             return "invalid_request_error", "the prompt has no tokens"
         if not 0 <= msg.lora <= self.num_loras:
             return "model_not_found", f"no LoRA adapter of id {msg.lora} is loaded"
+        if not self.generates:
+            return "invalid_request_error", (
+                "this model is an embedding model without an LM head: it serves /v1/embeddings only"
+            )
         try:
             msg.sampling.validate()
         except ValueError as exc:
@@ -119,6 +137,8 @@ class Scheduler:
         return None
 
     def abort(self, rid: str) -> None:
+        if self.embeds.abort(rid):
+            return
         req = self.reqs.get(rid)
         if req is None:
             return
@@ -132,8 +152,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ batches
 
-    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
+    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | EmbedBatch | None:
         """The next message for the worker, or None when idle."""
+        embed = self._embed_batch()
+        if embed is not None:
+            return embed
         prefill = None
         # After a prefill, running requests get one decode step before the next prefill, so
         # a stream of long prompts cannot stall them for several prefill steps in a row.
@@ -162,6 +185,22 @@ class Scheduler:
             self.step += 1
             return ReleaseBatch(self.step, self._take_release())
         return None
+
+    def _embed_batch(self) -> EmbedBatch | None:
+        """Embedding rows take every other step while generation has work, so neither
+        stalls the other; the releases wait for the next generation step."""
+        others = bool(self.waiting or self.running or self.chunked)
+        if not self.embeds.waiting or (self.last_was_embed and others):
+            self.last_was_embed = False
+            return None
+        batch = self.embeds.next_batch(self.step + 1, [r.seq_len for r in self.running])
+        if batch is None:  # not beside the running requests: after them
+            self.last_was_embed = False
+            return None
+        self.step += 1
+        self.in_flight = batch
+        self.last_was_embed = True
+        return batch
 
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
         now = time.monotonic()
@@ -253,8 +292,12 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def on_result(self, result: StepResult | WorkerError) -> None:
+    def on_result(self, result: StepResult | WorkerError | EmbedResult) -> None:
         batch, self.in_flight = self.in_flight, None
+        if isinstance(batch, EmbedBatch):
+            self.outputs.extend(self.embeds.answer(batch, result))
+            self._apply_aborts()  # those that came while it ran
+            return
         if getattr(result, "collective_seconds", 0.0):
             self.collective_seconds = result.collective_seconds
             self.collective_probes += 1
@@ -368,7 +411,7 @@ class Scheduler:
         )
         req.sent_len = len(req.output_ids)
 
-    def take_outputs(self) -> list[TokenOut | ReqError]:
+    def take_outputs(self) -> list[TokenOut | ReqError | EmbedOut]:
         out, self.outputs = self.outputs, []
         return out
 
@@ -424,4 +467,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending_release)
+        return bool(
+            self.waiting or self.running or self.chunked or self.pending_release
+            or self.embeds.waiting
+        )  # fmt: skip

@@ -201,11 +201,18 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
     m.observe_death("worker", "r0")  # nothing runs there while it restarts
     assert _value(m, "num_running_requests") == 1
     # (collective_seconds: only a distributed worker's, test_distributed_e2e checks it)
-    others = ("process_", "routing_", "replica_", "collective_", "model_")
+    # (embedding_*: the embeddings endpoint's, per replica too but not the brief's)
+    others = ("process_", "routing_", "replica_", "collective_", "model_", "embedding_")
     per_replica = {n for n in METRICS if not n.startswith(others)}
     assert per_replica == {name.removesuffix("_total") for name, _ in BRIEF}
+    m.observe_embedding(12, "r1")
+    assert _value(m, "embedding_tokens_total", replica="r1") == 12
+    assert _value(m, "embedding_requests_total") == 1
     for fam in m.registry.collect():
-        if fam.name.removeprefix(PREFIX) in per_replica:
+        if fam.name.removeprefix(PREFIX) in per_replica | {
+            "embedding_requests",
+            "embedding_tokens",
+        }:
             assert fam.samples, fam.name
             assert all(s.labels.get("replica") in ("r0", "r1") for s in fam.samples), fam.name
 

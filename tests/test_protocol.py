@@ -24,6 +24,11 @@ from common.messages import (
     ClientGenerate,
     ClientResult,
     DecodeBatch,
+    EmbedBatch,
+    EmbedOut,
+    EmbedReq,
+    EmbedResult,
+    EmbedRow,
     ExtendBatch,
     ExtendReq,
     GenerateReq,
@@ -191,6 +196,10 @@ EXAMPLES: dict[type, list] = {
         ),
     ],
     ReleaseBatch: [ReleaseBatch(step=8, release=RELEASES), ReleaseBatch(step=9, release=[])],
+    EmbedReq: [EmbedReq(rid="e", inputs=[[1, 2, 3], [4]])],
+    EmbedOut: [EmbedOut(rid="e", embeddings=[b"\x00\x00\x80?", b""], prompt_tokens=4)],
+    EmbedBatch: [EmbedBatch(step=10, rows=[EmbedRow("e", 0, [1, 2, 3]), EmbedRow("e", 1, [4])])],
+    EmbedResult: [EmbedResult(step=10, embeddings=[b"\x00\x00\x80?"])],
     StepResult: [
         StepResult(
             step=3,

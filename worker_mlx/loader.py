@@ -16,6 +16,7 @@ from worker_mlx.distributed import Rank, agree_pool_size
 from worker_mlx.distributed_shard import shard_model
 from worker_mlx.draft_model import DraftModel
 from worker_mlx.grammar import Grammars
+from worker_mlx.headless import load_headless
 from worker_mlx.kv_codec import GROUP_SIZE, QUANTIZED_BITS
 from worker_mlx.kv_pool import KVLayout, MlxKVPool, pool_size
 from worker_mlx.lora import LoraBank, NoLora, make_bank
@@ -214,7 +215,10 @@ def _load_servable(path: str, rank: Rank | None = None):
     try:
         model, tokenizer, config = load(path, return_config=True, lazy=rank is not None)
     except Exception as exc:  # mlx-lm's own message names the model type it lacks
-        _refuse(path, f"mlx-lm cannot load it: {exc}")
+        loaded = load_headless(path, lazy=rank is not None)  # an embedding model's body?
+        if loaded is None:
+            _refuse(path, f"mlx-lm cannot load it: {exc}")
+        model, tokenizer, config = loaded
     if rank is not None:
         try:
             rank.share = shard_model(model, rank.spec, rank.group)

@@ -18,6 +18,8 @@ from common.log import setup_logging
 from common.messages import (
     WORKER_INBOX,
     DecodeBatch,
+    EmbedBatch,
+    EmbedResult,
     ExtendBatch,
     ReleaseBatch,
     StepResult,
@@ -48,6 +50,7 @@ def run_worker(
 
     from worker_mlx.buffer_cache import BufferCacheBound
     from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
+    from worker_mlx.embed_pass import load_embedder
     from worker_mlx.loader import load_runner
     from worker_mlx.memory import StepGuard, apply_test_limits
 
@@ -55,6 +58,16 @@ def run_worker(
     rank = join_group(spec) if spec is not None else None
     engine, ready = load_runner(args, blas, rank)  # a runner, or a Verifier around one
     runner = engine.runner
+    embedder = None  # a distributed worker does not embed (the router refuses it)
+    if spec is not None and spec.rank == 0:
+        logger.info("embeddings off: a distributed worker does not embed")
+    if spec is None:
+        embedder = load_embedder(
+            args.model_path, runner.model, args.pooling, runner.prefill_step, runner.vocab_size
+        )
+        ready.embedding_dim = embedder.dim
+        ready.embedding_normalized = embedder.pooling.normalize
+    ready.generates = not getattr(runner.model, "headless", False)
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
@@ -69,18 +82,19 @@ def run_worker(
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard)
+    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard, embedder)
 
 
 def serve(
     engine, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None,
-    guard=None,
+    guard=None, embedder=None,
 ) -> None:  # fmt: skip
     """`engine`: the runner, or the Verifier around it (its `runner`) that the loader
     built; `outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
     of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
     distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
-    `execute`); `guard`: the memory.StepGuard checked before each step."""
+    `execute`); `guard`: the memory.StepGuard checked before each step; `embedder`:
+    the embed_pass.Embedder that answers EmbedBatch (None: refused)."""
     import zmq
 
     watch = ParentWatch()
@@ -106,7 +120,7 @@ def serve(
             forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if engine.runner.lookahead.has_step else []))
-        reply = execute(engine, msg, probe is not None, guard)
+        reply = execute(engine, msg, probe is not None, guard, embedder)
         trace("done", step)
         if reply is not None and outbox is not None:
             if probe is not None and isinstance(reply, StepResult):
@@ -118,7 +132,9 @@ def serve(
         after_step()
 
 
-def execute(engine, msg, group: bool = False, guard=None) -> StepResult | WorkerError | None:
+def execute(
+    engine, msg, group: bool = False, guard=None, embedder=None
+) -> StepResult | EmbedResult | WorkerError | None:
     """The step's result, or the error it is answered with. In a group, only a descriptor
     the checks refuse (ValueError, raised alike on every rank before any collective) is
     answered: any other failure (a peer lost mid-collective) may have left the ranks'
@@ -128,6 +144,10 @@ def execute(engine, msg, group: bool = False, guard=None) -> StepResult | Worker
         if isinstance(msg, ReleaseBatch):
             engine.release(msg.release)
             return None
+        if isinstance(msg, EmbedBatch):  # no KV: the engine and its pool are not involved
+            if embedder is None:
+                raise ValueError("embeddings are not served by a distributed worker")
+            return EmbedResult(msg.step, embedder.embed([r.input_ids for r in msg.rows]))
         ahead = engine.runner.lookahead.has_step  # then the step may already be computed
         started = time.perf_counter()
         if guard is not None and not ahead:
@@ -142,7 +162,7 @@ def execute(engine, msg, group: bool = False, guard=None) -> StepResult | Worker
         if group and not isinstance(exc, ValueError):
             logger.error("step %d failed in the group (%s); exiting", msg.step, exc)
             raise SystemExit(GROUP_BROKEN) from exc
-        kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
+        kind = _kind(msg)
         logger.error("%s step %d failed: %s", kind, msg.step, exc)
         logger.debug("%s", traceback.format_exc())
         return WorkerError(step=msg.step, message=f"{kind} failed: {exc}")
@@ -158,10 +178,14 @@ def _out_of_memory(engine, msg, exc: Exception) -> WorkerError:
     """The step's requests fail with a 503 and the worker goes on: the step's temporaries
     are freed, the decode buffer (the failed rows' or, for an extend, already flushed)
     dropped, and the scheduler releases the step's slots as for any failed step."""
-    kind = "extend" if isinstance(msg, ExtendBatch) else "decode"
+    kind = _kind(msg)
     logger.error("%s step %d ran out of memory: %s", kind, msg.step, exc)
     engine.recover()
     text = str(exc)
     if not text.startswith("out of memory"):
         text = f"out of memory computing this step ({text})"
     return WorkerError(step=msg.step, message=text, out_of_memory=True)
+
+
+def _kind(msg) -> str:
+    return {ExtendBatch: "extend", EmbedBatch: "embed"}.get(type(msg), "decode")

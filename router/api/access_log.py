@@ -54,6 +54,13 @@ async def count_usage(chunks: AsyncIterator[Output]) -> AsyncIterator[Output]:
             usage.generated += last.completion_tokens
 
 
+def count_embedded(tokens: int) -> None:
+    """An embeddings request's input tokens, on its line (none cached, none generated)."""
+    usage = _usage.get()
+    if usage is not None:
+        usage.counted, usage.prompt = True, usage.prompt + tokens
+
+
 class AccessLog:
     """Pure ASGI middleware (no per-chunk cost on streams beyond a status check)."""
 

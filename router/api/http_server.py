@@ -29,6 +29,7 @@ from router.api.cache_salt_header import SaltHeader
 from router.api.chat_response import chat_renderer, plan_chat
 from router.api.completion_response import CompletionRenderer
 from router.api.constraints import output_grammar
+from router.api.embeddings_api import EmbeddingRoutes
 from router.api.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -90,6 +91,7 @@ def create_app(models: SingleModel, args, metrics=None) -> FastAPI:
     app.get("/v1/responses/{response_id}")(responses.retrieve)
     app.delete("/v1/responses/{response_id}")(responses.delete)
     app.get("/v1/responses/{response_id}/input_items")(responses.input_items)
+    app.post("/v1/embeddings")(EmbeddingRoutes(models).create)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     if hasattr(models, "load"):  # several models: loaded and unloaded on demand, or by hand

@@ -31,6 +31,8 @@ from common.cache_salt import salted_key
 from common.messages import (
     AbortReq,
     CacheEvicted,
+    EmbedOut,
+    EmbedReq,
     GenerateReq,
     ReqError,
     SamplingParams,
@@ -140,6 +142,8 @@ class RouterManager:
             self.trace("tokens", *(out.rid for out in msg.outputs))
             for out in msg.outputs:
                 self._deliver(replica, out.rid, out)
+        elif isinstance(msg, EmbedOut):
+            self._deliver(replica, msg.rid, msg)
         elif isinstance(msg, ReqError):
             headers = {"Retry-After": str(math.ceil(msg.retry_after))} if msg.retry_after else None
             self._deliver(
@@ -167,7 +171,9 @@ class RouterManager:
             logger.info("replica %s ready (%s)", replica.id, replica.address)
         self._settled.set()
 
-    def _deliver(self, replica: Replica, rid: str, item: TokenOut | RequestError) -> None:
+    def _deliver(
+        self, replica: Replica, rid: str, item: TokenOut | EmbedOut | RequestError
+    ) -> None:
         pending = self.pending.get(rid)
         if pending is not None and pending.replica is replica:
             pending.queue.put_nowait(item)
@@ -284,12 +290,7 @@ class RouterManager:
         prompt_cache_key) picks the replica (router.replicas.routing.by_key) rather than
         the routing policy."""
         await self._wait_serving()
-        if len(self.pending) >= self.max_pending:
-            raise RequestError(
-                f"server overloaded: {len(self.pending)} requests in flight "
-                f"(--max-queued-requests {self.max_pending}); retry later",
-                "overloaded", 503,
-            )  # fmt: skip
+        self._check_room()
         rid = rid or uuid.uuid4().hex
         if rid in self.pending:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")
@@ -326,6 +327,49 @@ class RouterManager:
                 self.metrics.forget(rid)
             if not finished and pending.replica is not None:
                 self._send_nowait(pending.replica, AbortReq(rid))
+
+    def _check_room(self) -> None:
+        if len(self.pending) >= self.max_pending:
+            raise RequestError(
+                f"server overloaded: {len(self.pending)} requests in flight "
+                f"(--max-queued-requests {self.max_pending}); retry later",
+                "overloaded", 503,
+            )  # fmt: skip
+
+    async def embed(self, inputs: list[list[int]]) -> EmbedOut:
+        """The inputs' embeddings, from the least loaded replica that serves (embeddings
+        use no cache, so no replica's is better); a request lost with its replica is sent
+        once to another."""
+        await self._wait_serving()
+        self._check_room()
+        rid = uuid.uuid4().hex
+        self.pending[rid] = pending = _Pending()
+        finished = False
+        try:
+            for attempt in range(2):
+                serving = self.replicas.serving()
+                if not serving:
+                    raise unavailable(
+                        f"server is {self.unhealthy_reason}; retry later", RETRY_AFTER
+                    )
+                pending.replica = replica = min(serving, key=lambda r: len(r.in_flight))
+                replica.in_flight.add(rid)
+                await replica.link.send(encode(EmbedReq(rid, inputs)))
+                item = await pending.queue.get()
+                if isinstance(item, _Lost) and attempt == 0 and self._retry_possible(item):
+                    continue
+                finished = True
+                if isinstance(item, (_Lost, RequestError)):
+                    raise item.error if isinstance(item, _Lost) else item
+                if self.metrics:
+                    self.metrics.observe_embedding(item.prompt_tokens, replica.id)
+                return item
+        finally:
+            self.pending.pop(rid, None)
+            if pending.replica is not None:
+                pending.replica.in_flight.discard(rid)
+                if not finished:
+                    self._send_nowait(pending.replica, AbortReq(rid))
 
     def _retry_possible(self, lost: _Lost) -> bool:
         others = [r for r in self.replicas.serving() if r is not lost.replica]

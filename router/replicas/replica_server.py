@@ -39,6 +39,8 @@ from common.messages import (
     REPLICA_INBOX,
     AbortReq,
     CacheEvicted,
+    EmbedOut,
+    EmbedReq,
     GenerateReq,
     ModelIdentity,
     ReplicaFrameError,
@@ -112,7 +114,7 @@ class ReplicaServer:
                 logger.info("router %s connected", msg.router)
                 self.routers[peer] = (msg.router, time.monotonic())
             self._reply(peer, self.status())
-        elif isinstance(msg, GenerateReq):
+        elif isinstance(msg, (GenerateReq, EmbedReq)):
             error = self._refusal(msg.rid)
             if error is not None:
                 self._reply(peer, error)
@@ -143,7 +145,7 @@ class ReplicaServer:
     def _on_scheduler_message(self, msg, frame: bytes) -> None:
         if isinstance(msg, TokenOutBatch):
             self._route_outputs(msg, frame)
-        elif isinstance(msg, ReqError):
+        elif isinstance(msg, (ReqError, EmbedOut)):  # a request's last word
             peer = self.owner.pop(msg.rid, None)
             if peer is not None:
                 self._send(peer, frame)
