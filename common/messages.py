@@ -145,6 +145,20 @@ class ReleaseReq:
 
 
 @dataclass
+class ImagePart:
+    """An image of a vision model's prompt (common/image_keys.py, worker_mlx/mrope.py): its
+    placeholder run starts at token `start` of the whole prompt, `grid` is the processor's
+    (t, h, w) patch grid, every token of the run is `pad` in the input ids, and `pixels`
+    are the processor's pixel values (float32, one row per patch), empty when the worker
+    does not need them (the run is cached, or its vision embeddings are)."""
+
+    start: int
+    grid: list[int]
+    pad: int
+    pixels: bytes = b""
+
+
+@dataclass
 class ExtendReq:
     rid: str
     input_ids: list[int]
@@ -165,6 +179,9 @@ class ExtendReq:
     state_slot: int = 0
     prefix_state: int = 0
     snapshots: list[list[int]] = field(default_factory=list)
+    # Vision models: every image of the prompt (prefix included: the positions after an
+    # image depend on it), in prompt order.
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass

@@ -162,4 +162,5 @@ def _piece(r: ExtendReq, start: int, end: int) -> ExtendReq:
         state_slot=r.state_slot,
         prefix_state=r.state_slot if start else r.prefix_state,
         snapshots=[[at - start, slot] for at, slot in r.snapshots if at == end],
+        images=r.images,
     )

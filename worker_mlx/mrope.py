@@ -45,9 +45,11 @@ class ImageSpan:
 
 
 def positions(n_tokens: int, spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
-    """(3, n_tokens) positions of a prompt of `n_tokens` with these image runs, and the
-    delta after it (the next position minus `n_tokens`)."""
-    out = np.empty((3, n_tokens), dtype=np.int64)
+    """(3, n_tokens) positions of a prompt's first `n_tokens` with these image runs (the
+    runs may go on past them), and the delta after them (the next position minus
+    `n_tokens`, where they end after a text token or a whole run)."""
+    total = max([n_tokens] + [s.start + s.length for s in spans])
+    out = np.empty((3, total), dtype=np.int64)
     token, pos = 0, 0
     for span in sorted(spans, key=lambda s: s.start):
         text = span.start - token
@@ -55,5 +57,5 @@ def positions(n_tokens: int, spans: list[ImageSpan]) -> tuple[np.ndarray, int]:
         image = span.positions(pos + text)
         out[:, span.start : span.start + span.length] = image
         token, pos = span.start + span.length, int(image.max()) + 1
-    out[:, token:] = pos + np.arange(n_tokens - token)
-    return out, pos + (n_tokens - token) - n_tokens
+    out[:, token:] = pos + np.arange(total - token)
+    return out[:, :n_tokens], pos + (total - token) - total
