@@ -19,7 +19,9 @@ Only families whose vision tower and positions are known here are served
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -124,6 +126,18 @@ def image_features(
             row = mx.concatenate([row[:column], embeds.astype(row.dtype), row[column + n :]])
         values.append(row)
     return ImageFeatures(mx.array(mask), mx.stack(values))
+
+
+def read_config(path: str) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether `path` is a local model directory whose config has a vision tower."""
+    try:
+        return "vision_config" in read_config(path)
+    except (OSError, ValueError):
+        return False
 
 
 def load_vision_model(path: str) -> tuple[VisionLanguageModel, object]:
