@@ -34,6 +34,20 @@ from radix_mlx.messages import (  # noqa: F401
 
 
 @dataclass
+class ImagePart:
+    """An image of a vision model's prompt (common/image_keys.py, worker_mlx/mrope.py): its
+    placeholder run starts at token `start` of the whole prompt, `grid` is the processor's
+    (t, h, w) patch grid, every token of the run is `pad` in the input ids, and `pixels`
+    are the processor's pixel values (float32, one row per patch), empty when the worker
+    does not need them (the run is cached, or its vision embeddings are)."""
+
+    start: int
+    grid: list[int]
+    pad: int
+    pixels: bytes = b""
+
+
+@dataclass
 class GenerateReq:
     rid: str
     input_ids: list[int]
@@ -43,6 +57,8 @@ class GenerateReq:
     # The prompt's first tokens to keep cached ahead of others (Anthropic's cache_control
     # breakpoints: up to the end of the last marked block).
     priority_prefix_len: int = 0
+    # A vision model's prompt images (ImagePart), in prompt order; their runs are pad values.
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass
@@ -142,20 +158,6 @@ class ReleaseReq:
     rid: str
     flush: bool
     snapshot: int = 0
-
-
-@dataclass
-class ImagePart:
-    """An image of a vision model's prompt (common/image_keys.py, worker_mlx/mrope.py): its
-    placeholder run starts at token `start` of the whole prompt, `grid` is the processor's
-    (t, h, w) patch grid, every token of the run is `pad` in the input ids, and `pixels`
-    are the processor's pixel values (float32, one row per patch), empty when the worker
-    does not need them (the run is cached, or its vision embeddings are)."""
-
-    start: int
-    grid: list[int]
-    pad: int
-    pixels: bytes = b""
 
 
 @dataclass

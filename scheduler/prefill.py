@@ -126,6 +126,7 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
         state_slot=req.state_slot,
         prefix_state=adm.prefix_state,
         snapshots=adm.snapshots,
+        images=req.images,
     )
     # the worker needs the whole history for penalties, and the outputs for a grammar's state
     # (and the tokens before this chunk for its prompt's logprobs)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import SamplingParams
+from common.messages import ImagePart, SamplingParams
 
 
 @dataclass
@@ -16,6 +16,7 @@ class Req:
     sampling: SamplingParams
     namespace: int = 0  # the trie's namespace of its cache salt (common/cache_salt.py)
     priority_len: int = 0  # its prompt's first tokens to keep cached ahead of others
+    images: list[ImagePart] = field(default_factory=list)  # a vision prompt's, for the worker
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping: slots of the first `cache_len` tokens belong to the trie (locked via
     # `last_node`); the request owns the rest. `num_computed` tokens have KV.

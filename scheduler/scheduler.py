@@ -85,6 +85,7 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
         req.namespace = salt_namespace(msg.cache_salt)
         req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
+        req.images = msg.images
         self.reqs[req.rid] = req
         self.waiting.append(req)
 

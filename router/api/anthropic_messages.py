@@ -37,23 +37,25 @@ class AnthropicRoutes:
         self.api = api
         self.signer = ThinkingSigner()
 
-    def _plan(self, req: CountTokensRequest, grammar=None):
-        return plan_chat(
-            self.api.tok, req.openai_messages(self.signer), req.openai_tools(),
+    async def _plan(self, req: CountTokensRequest, grammar=None):
+        messages, images = await self.api.take_images(req.openai_messages(self.signer))
+        ids, prompt, grammar = plan_chat(
+            self.api.tok, messages, req.openai_tools(),
             req.openai_tool_choice(), req.template_kwargs(), grammar,
             getattr(req, "max_tokens", None),  # count_tokens has none
             req.think_budget(),
         )  # fmt: skip
+        return self.api.with_images(ids, images), prompt, grammar
 
     async def count_tokens(self, req: CountTokensRequest):
         self.api.check_model(req)
-        ids, _, _ = self._plan(req)
+        ids, _, _ = await self._plan(req)
         return {"input_tokens": len(ids)}
 
     async def messages(self, req: MessagesRequest, request: Request):
         self.api.check_model(req)
         grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
-        ids, prompt, grammar = self._plan(req, grammar)
+        ids, prompt, grammar = await self._plan(req, grammar)
         d = SamplingParams()
         kind, source = grammar or ("", "")
         sampling = SamplingParams(

@@ -11,6 +11,7 @@ from common.messages import Output, SamplingParams
 from router.api.access_log import count_usage
 from router.api.cache_salt_header import request_salt
 from router.api.generation import Tokenization, generate_text
+from router.api.image_inputs import Limits, Prepared, VisionInputs
 from router.api.model_names import ModelNames
 from router.metrics import track_finish
 from router.replicas.manager import RouterManager
@@ -25,6 +26,19 @@ class ApiContext:
         self.tok = Tokenization(tokenizer, manager, clamp=not args.strict_max_tokens)
         self.names = ModelNames(args.served_model_names, args.model_alias or [], args.model_path)
         self.model_name = self.names.reported  # the name responses report
+        limits = Limits(args.max_image_bytes, args.max_images_per_request, args.allow_image_urls)
+        # a vision model's image handling; None: image parts are refused as any non-text
+        self.vision = VisionInputs.of(args.model_path, tokenizer, limits)
+
+    async def take_images(self, messages: list) -> tuple[list, list[Prepared]]:
+        """The chat with its images taken out (a vision model's; else as it is)."""
+        if self.vision is None or not isinstance(messages, list):
+            return messages, []
+        return await self.vision.take(messages)
+
+    def with_images(self, ids: list[int], images: list[Prepared]) -> list[int]:
+        """The rendered prompt's ids with its images' runs (PromptIds), if it has any."""
+        return self.vision.expand(ids, images) if images else ids
 
     def check_model(self, req) -> None:
         """A replica serves, and the request's `model` is one this server answers to."""

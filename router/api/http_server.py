@@ -248,10 +248,12 @@ class _Routes:
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
+        messages, images = await self.api.take_images(req.messages)
         ids, prompt, grammar = plan_chat(
-            self.tok, req.messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
+            self.tok, messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
             max_new,
         )  # fmt: skip
+        ids = self.api.with_images(ids, images)
         max_new = self.tok.fit(len(ids), max_new)  # None: as much as the context leaves
         sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
