@@ -6,8 +6,10 @@ and every bad image part gets a 400 naming it."""
 from __future__ import annotations
 
 import base64
+import io
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -25,7 +27,10 @@ QUESTION = "What is in the picture?"
 def server(tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("vision") / "server.log"
     proc = ServerProcess(
-        tiny_vlm, log, extra=["--max-total-tokens", "4096", "--max-image-bytes", "200000"]
+        tiny_vlm,
+        log,
+        extra=["--max-total-tokens", "4096", "--max-image-bytes", "200000"]
+        + ["--max-request-bytes", str(32 << 20)],  # so a 20 MB image reaches the image check
     )
     proc.start()
     yield proc
@@ -107,8 +112,6 @@ def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
 
 
 def _model(server) -> str:
-    import httpx
-
     return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
 
 
@@ -116,3 +119,48 @@ def _decode(path: str, ids: list[int]) -> str:
     from tests.conftest import load_vlm
 
     return load_vlm(path)[1].tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _encoded(image, fmt: str) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    return out.getvalue()
+
+
+def _b64(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def test_bad_images_get_a_400_naming_the_part(server, tmp_path):
+    tiff = _encoded(random_image(23), "TIFF")
+    (tmp_path / "a.png").write_bytes(png(random_image(24)))
+    small = _b64(png(random_image(25, 30, 30)))
+    cases = [  # (the image part's url, or several parts; the message's needle)
+        ("data:image/png;base64,@@not base64@@", "base64 does not decode"),
+        (_b64(b"hello, not an image"), "not an image"),
+        (_b64(tiff, "image/tiff"), "TIFF images are not served"),
+        ("https://example.com/cat.png", "--allow-image-urls"),
+        ("ftp://example.com/cat.png", "must be data:, file: or http(s)"),
+        (_b64(b"\0" * (20 << 20)), "more than --max-image-bytes (200000)"),  # 20 MB
+        ([small] * 9, "9 images, more than --max-images-per-request (8)"),
+    ]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        model = _model(server)
+        for url, needle in cases:
+            urls = url if isinstance(url, list) else [url]
+            parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+            body = {"model": model, "messages": [{"role": "user", "content": parts}]}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, (needle, r.text)
+            err = r.json()["error"]
+            assert needle in err["message"], err
+            assert err["param"] == f"messages[0].content[{8 if len(urls) > 8 else 0}]"
+        # a file: URL is read on the server; the server still answers after all of these
+        part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'a.png'}"}}
+        body = {"model": model, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        # Anthropic's image source, named in its own path style
+        block = {"type": "image", "source": {"type": "file", "file_id": "x"}}
+        body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]}
+        r = http.post("/v1/messages", json=body)
+        assert r.status_code == 400 and "messages.0.content.0.source" in r.text
