@@ -6,6 +6,7 @@ and every bad image part gets a 400 naming it."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 
 import anthropic
@@ -164,3 +165,47 @@ def test_bad_images_get_a_400_naming_the_part(server, tmp_path):
         body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]}
         r = http.post("/v1/messages", json=body)
         assert r.status_code == 400 and "messages.0.content.0.source" in r.text
+
+
+def test_multi_turn_and_a_mixed_batch_of_8(tiny_vlm, oai):
+    """The second turn reuses the first turn's image from the cache; eight requests at
+    once, half with an image, each get mlx-vlm's own tokens."""
+    picture = random_image(26)
+    url = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
+    first = [{"role": "user", "content": [url, {"type": "text", "text": QUESTION}]}]
+    model = oai.models.list().data[0].id
+    one = oai.chat.completions.create(model=model, messages=first, max_tokens=N, temperature=0)
+    answer = one.choices[0].message.content
+    second = first + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    two = oai.chat.completions.create(model=model, messages=second, max_tokens=N, temperature=0)
+    ref = chat(IMAGE, text(QUESTION)) + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    assert two.choices[0].token_ids == vlm_greedy(tiny_vlm, ref, [picture], N)
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+
+    def ask(k: int):
+        if k % 2:
+            return _ask(oai, random_image(30 + k), f"Picture {k}?").choices[0].token_ids
+        messages = [{"role": "user", "content": f"Question number {k}, no picture."}]
+        reply = oai.chat.completions.create(
+            model=model, messages=messages, max_tokens=N, temperature=0
+        )
+        return reply.choices[0].token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    for k, tokens in enumerate(got):
+        if k % 2:
+            want = vlm_greedy(
+                tiny_vlm, chat(IMAGE, text(f"Picture {k}?")), [random_image(30 + k)], N
+            )
+        else:
+            want = vlm_greedy(
+                tiny_vlm, [{"role": "user", "content": f"Question number {k}, no picture."}], [], N
+            )
+        assert tokens == want, k

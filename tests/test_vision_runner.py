@@ -112,3 +112,15 @@ def test_image_tokens_must_match_the_spans(harness):
     with pytest.raises(ValueError, match="image tokens do not match"):
         harness.runner.extend(ExtendBatch(99, [req]))
     harness.alloc.free(loc)
+
+
+def test_a_resent_image_whose_kv_was_evicted_skips_the_tower(tiny_vlm, harness):
+    """No prefix (its KV evicted): the whole prompt is computed again, the image's
+    embeddings come from the vision cache, and the tokens are still mlx-vlm's."""
+    picture = random_image(13)
+    p = harness.prompt(ASK, [picture])
+    first = harness.run({"first": (p, [])})["first"]
+    runs = harness.vision.tower_runs
+    assert harness.run({"evicted": (p, [])})["evicted"] == first
+    assert harness.vision.tower_runs == runs
+    assert first == vlm_greedy(tiny_vlm, ASK, [picture], N)
