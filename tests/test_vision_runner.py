@@ -124,3 +124,21 @@ def test_a_resent_image_whose_kv_was_evicted_skips_the_tower(tiny_vlm, harness):
     assert harness.run({"evicted": (p, [])})["evicted"] == first
     assert harness.vision.tower_runs == runs
     assert first == vlm_greedy(tiny_vlm, ASK, [picture], N)
+
+
+def test_chunked_prefill_cut_inside_the_image(tiny_vlm, harness):
+    """A chunk boundary inside the image's run: the second chunk gets the rest of its
+    embeddings (from the vision cache) and the positions continue inside the grid."""
+    picture = random_image(14)
+    p = harness.prompt(ASK, [picture])
+    cut = p.spans[0].start + 5
+    greedy = SamplingParams(max_new_tokens=N, temperature=0.0)
+    head = harness.alloc.alloc(cut)
+    chunk = ExtendReq("chunked", p.ids[:cut], [], head, greedy, last_chunk=False, images=p.parts)
+    assert harness.runner.extend(ExtendBatch(200, [chunk])).rids == []
+    rest = p.ids[cut:]
+    tail = harness.alloc.alloc(len(rest))
+    final = ExtendReq("chunked", rest, head, tail, greedy, images=p.parts)
+    first = harness.runner.extend(ExtendBatch(201, [final])).next_token_ids[0]
+    assert first == vlm_greedy(tiny_vlm, ASK, [picture], 1)[0]
+    harness.runner.release([ReleaseReq("chunked", flush=True)])
