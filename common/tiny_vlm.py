@@ -10,8 +10,11 @@ Families (``VLM_FAMILIES``):
 
 - ``qwen2_5_vl``: Qwen2.5-VL. A 2-block windowed ViT (14-pixel patches, 2x2 merge) whose
   merger projects to the language model's width, and the multimodal RoPE (t, h, w
-  sections) language model. The image processor's pixel budget is kept at 16 merged
-  tokens per image so tests stay cheap.
+  sections) language model;
+- ``qwen2_vl``: Qwen2-VL, the same language model after a 2-block global-attention ViT.
+
+The image processor's pixel budget is kept at 16 merged tokens per image so tests stay
+cheap.
 
 Usage::
 
@@ -73,15 +76,59 @@ QWEN_VL_CHAT_TEMPLATE = (
 )
 
 
-def _qwen2_5_vl_config(dims: dict[str, int], ids: dict[str, int]) -> dict[str, Any]:
-    """Qwen2.5-VL's ``config.json``: the language model's keys at the top (as the HF
+def _qwen2_5_vl_tower(dims: dict[str, int]) -> dict[str, Any]:
+    """Qwen2.5-VL's ViT: windowed attention blocks (the last one global), RMSNorm, SwiGLU."""
+    return {
+        "model_type": "qwen2_5_vl",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": dims["hidden"],
+        "patch_size": PATCH,
+        "spatial_patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+        "in_channels": 3,
+        "tokens_per_second": 2,
+    }
+
+
+def _qwen2_vl_tower(dims: dict[str, int]) -> dict[str, Any]:
+    """Qwen2-VL's ViT: global attention blocks, LayerNorm, a GELU MLP."""
+    return {
+        "model_type": "qwen2_vl",
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": dims["hidden"],
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": PATCH,
+        "spatial_patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+
+
+QWEN_VL_TOWERS = {
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl_tower),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", _qwen2_vl_tower),
+}
+
+
+def _qwen_vl_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> dict[str, Any]:
+    """A Qwen-VL ``config.json``: the language model's keys at the top (as the HF
     checkpoints have them), the vision tower's under ``vision_config``."""
+    architecture, tower = QWEN_VL_TOWERS[arch]
     head_dim = dims["hidden"] // dims["heads"]  # mlx-vlm's qwen2_5_vl derives it so
     half = head_dim // 2
     sections = [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]  # 16:24:24 at 128
     return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": "qwen2_5_vl",
+        "architectures": [architecture],
+        "model_type": arch,
         "hidden_size": dims["hidden"],
         "num_hidden_layers": dims["layers"],
         "intermediate_size": dims["intermediate"],
@@ -99,30 +146,15 @@ def _qwen2_5_vl_config(dims: dict[str, int], ids: dict[str, int]) -> dict[str, A
         "video_token_id": ids[VIDEO_PAD],
         "vision_start_token_id": ids[VISION_START],
         "vision_end_token_id": ids[VISION_END],
-        "vision_config": {
-            "model_type": "qwen2_5_vl",
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": dims["hidden"],
-            "patch_size": PATCH,
-            "spatial_patch_size": PATCH,
-            "spatial_merge_size": MERGE,
-            "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": [1],
-            "in_channels": 3,
-            "tokens_per_second": 2,
-        },
+        "vision_config": tower(dims),
     }
 
 
-def _qwen_vl_processor_files(out: Path) -> None:
+def _qwen_vl_processor_files(out: Path, arch: str) -> None:
     """The image (and video) processor settings mlx-vlm's Qwen-VL processor reads."""
     image = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if arch == "qwen2_5_vl" else "Qwen2VLProcessor",
         "patch_size": PATCH,
         "temporal_patch_size": 2,
         "merge_size": MERGE,
@@ -182,11 +214,11 @@ def build_tiny_vlm(
 ) -> Path:
     """Write a complete VLM directory (weights, config, tokenizer, processor) to ``out_dir``."""
     if arch not in VLM_FAMILIES:
-        raise ValueError(f"unknown vision arch {arch!r}; expected one of {tuple(VLM_FAMILIES)}")
+        raise ValueError(f"unknown vision arch {arch!r}; expected one of {VLM_FAMILIES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = _write_vlm_tokenizer(out, 512)
-    config = VLM_FAMILIES[arch](PRESETS[preset], ids)
+    config = _qwen_vl_config(arch, PRESETS[preset], ids)
     weights = _random_vlm_weights(config, seed)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out / "config.json", config)
@@ -194,11 +226,11 @@ def build_tiny_vlm(
         out / "generation_config.json",
         {"eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]},
     )
-    _qwen_vl_processor_files(out)
+    _qwen_vl_processor_files(out, arch)
     return out
 
 
-VLM_FAMILIES = {"qwen2_5_vl": _qwen2_5_vl_config}
+VLM_FAMILIES = tuple(QWEN_VL_TOWERS)
 
 
 def ensure_tiny_vlm(
@@ -231,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m common.tiny_vlm", description=__doc__.split("\n")[0]
     )
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", choices=tuple(VLM_FAMILIES), default="qwen2_5_vl")
+    p.add_argument("--arch", choices=VLM_FAMILIES, default="qwen2_5_vl")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(

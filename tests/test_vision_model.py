@@ -97,3 +97,17 @@ def test_pad_values_are_above_the_vocabulary_and_name_the_image():
     assert all(516 <= pad_value(image_hash(bytes([i])), 516) < 2**31 for i in range(256))
     with pytest.raises(ValueError, match="no room"):
         pad_value(a, 2**31)
+
+
+def test_qwen2_vl_greedy_parity(model_cache):
+    """Qwen2-VL: another vision tower before the same M-RoPE language model."""
+    from common.tiny_vlm import ensure_tiny_vlm
+
+    path = str(ensure_tiny_vlm(model_cache, arch="qwen2_vl"))
+    vlm, processor = load_vlm(path)
+    model = VisionLanguageModel(vlm, vlm.config.model_type)
+    messages = chat(text("Look:"), IMAGE, text("What is in the picture?"))
+    images = [random_image(6)]
+    p = Prompt(model, processor, messages, images)
+    want = vlm_greedy(path, messages, images, 10)
+    assert _run(model, p, [p.spans[0].start + 3], 10) == want

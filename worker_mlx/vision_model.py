@@ -32,7 +32,7 @@ from worker_mlx.model_probe import UnsupportedModel
 from worker_mlx.mrope import ImageSpan
 
 # mlx-vlm model types whose language model is Qwen2-VL's (M-RoPE over t, h, w sections)
-SUPPORTED_TYPES = ("qwen2_5_vl",)
+SUPPORTED_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 
 @dataclass

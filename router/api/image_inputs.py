@@ -34,7 +34,7 @@ from common.messages import ImagePart
 from router.request_error import RequestError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-SERVED_TYPES = ("qwen2_5_vl",)  # as worker_mlx.vision_model.SUPPORTED_TYPES
+SERVED_TYPES = ("qwen2_5_vl", "qwen2_vl")  # as worker_mlx.vision_model.SUPPORTED_TYPES
 URL_TIMEOUT = 10.0
 MAX_PIXELS = 64 * 1024 * 1024  # decoded pixels of one image (PIL's bomb check at 2x)
 
