@@ -142,3 +142,18 @@ def test_chunked_prefill_cut_inside_the_image(tiny_vlm, harness):
     first = harness.runner.extend(ExtendBatch(201, [final])).next_token_ids[0]
     assert first == vlm_greedy(tiny_vlm, ASK, [picture], 1)[0]
     harness.runner.release([ReleaseReq("chunked", flush=True)])
+
+
+def test_penalties_see_the_image_placeholder_not_its_pad_value(harness):
+    """A penalized request's prompt holds pad values above the vocabulary: the penalties
+    count the model's placeholder id instead (as mlx-vlm's do), never an id past the
+    logits."""
+    p = harness.prompt(ASK, [random_image(15)])
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0, repetition_penalty=1.5)
+    loc = harness.alloc.alloc(len(p.ids))
+    req = ExtendReq("penalized", p.ids, [], loc, sampling, images=p.parts)
+    decoding = harness.runner._new_decoding(req)
+    assert max(decoding.penalty.seen) == harness.model.image_token_id < harness.model.vocab_size
+    out = harness.runner.extend(ExtendBatch(300, [req]))
+    assert 0 <= out.next_token_ids[0] < harness.model.vocab_size
+    harness.runner.release([ReleaseReq("penalized", flush=True)])

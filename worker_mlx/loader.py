@@ -59,6 +59,8 @@ def load_runner(
     _log_model(args.model_path, model_type, layout, vocab_size, context_len)
     draft = None
     if args.speculative_algorithm == "draft":
+        if isinstance(model, VisionLanguageModel):  # a text draft cannot embed images
+            _refuse(args.model_path, "a vision model takes no draft model (use ngram)")
         draft = _load_draft(args, backend, tokenizer, vocab_size)
     step = args.prefill_step_size or backend.prefill_step
     figures = memory.step_figures(model, layout, state_layout, vocab_size, step)

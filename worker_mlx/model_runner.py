@@ -191,6 +191,8 @@ class ModelRunner:
         check_extend(r, self.pool.num_slots, self.ledger.states.num_slots, self.vocab_size)
 
     def _new_decoding(self, r: ExtendReq) -> Decoding:
+        if self.vision is not None:
+            r = self.vision.real_ids(r)  # penalties see an image's placeholders
         return Decoding.for_extend(r, self.keys, self.grammars)
 
     # ------------------------------------------------------------ decode

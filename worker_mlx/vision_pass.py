@@ -7,6 +7,7 @@ bytes), so a re-sent image whose KV was evicted skips it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import mlx.core as mx
@@ -28,6 +29,19 @@ class VisionPasses:
 
     def _spans(self, r: ExtendReq) -> list[mrope.ImageSpan]:
         return [self.model.span(im.start, tuple(im.grid)) for im in r.images]
+
+    def real_ids(self, r: ExtendReq) -> ExtendReq:
+        """`r` with its images' pad values as the model's placeholder id, as sampling
+        penalties see the prompt (mlx-vlm's see the placeholders); pad values would index
+        past the logits."""
+        if not r.images or not r.sampling.penalized:
+            return r
+        vocab, placeholder = self.model.vocab_size, self.model.image_token_id
+
+        def real(ids: list[int]) -> list[int]:
+            return [placeholder if t >= vocab else t for t in ids]
+
+        return dataclasses.replace(r, input_ids=real(r.input_ids), context_ids=real(r.context_ids))
 
     def rope_skip(self, r: ExtendReq) -> int:
         """Positions `r`'s prompt skips (minus its M-RoPE delta): a decode step's position
