@@ -28,7 +28,10 @@ class ApiContext:
         self.model_name = self.names.reported  # the name responses report
         limits = Limits(args.max_image_bytes, args.max_images_per_request, args.allow_image_urls)
         # a vision model's image handling; None: image parts are refused as any non-text
-        self.vision = VisionInputs.of(args.model_path, tokenizer, limits)
+        # (the tokenizer was loaded from the resolved model directory; --model-path may be
+        # a Hugging Face id)
+        model_dir = getattr(tokenizer, "name_or_path", None) or args.model_path
+        self.vision = VisionInputs.of(model_dir, tokenizer, limits)
 
     async def take_images(self, messages: list) -> tuple[list, list[Prepared]]:
         """The chat with its images taken out (a vision model's; else as it is)."""
