@@ -157,3 +157,29 @@ def test_penalties_see_the_image_placeholder_not_its_pad_value(harness):
     out = harness.runner.extend(ExtendBatch(300, [req]))
     assert 0 <= out.next_token_ids[0] < harness.model.vocab_size
     harness.runner.release([ReleaseReq("penalized", flush=True)])
+
+
+def test_verify_steps_after_an_image(tiny_vlm, harness):
+    """Speculation stays on after the image: verify steps of S columns take the rows'
+    RoPE skip as plain steps do, so accepted drafts and the token after them are
+    mlx-vlm's."""
+    from worker_mlx.proposer import SchedulerDrafts
+    from worker_mlx.speculation import Verifier
+
+    picture = random_image(16)
+    p = harness.prompt(ASK, [picture])
+    want = vlm_greedy(tiny_vlm, ASK, [picture], 10)
+    verifier = Verifier(harness.runner, SchedulerDrafts())
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    loc = harness.alloc.alloc(len(p.ids))
+    req = ExtendReq("spec", p.ids, [], loc, greedy, images=p.parts)
+    got = verifier.extend(ExtendBatch(400, [req])).next_token_ids
+    wrong = (want[3] + 1) % harness.model.vocab_size
+    for step, drafts in enumerate([want[1:3] + [wrong], want[4:6], []]):
+        slot, draft_slots = harness.alloc.alloc(1), harness.alloc.alloc(len(drafts))
+        batch = DecodeBatch(401 + step, ["spec"], slot, drafts=[drafts], draft_slots=[draft_slots])
+        out = verifier.decode(batch)
+        accepted = out.accepted[0] if out.accepted else 0
+        got += drafts[:accepted] + out.next_token_ids
+    assert got == want[: len(got)] and len(got) == 8
+    verifier.release([ReleaseReq("spec", flush=True)])

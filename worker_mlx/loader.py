@@ -72,6 +72,8 @@ def load_runner(
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
+    if isinstance(model, VisionLanguageModel) and not batched:  # solo steps know no images
+        _refuse(args.model_path, "a vision model must run batched with per-row offsets")
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     proposer = SchedulerDrafts()
     if draft is not None:
