@@ -36,6 +36,20 @@ from radix_mlx.messages import (  # noqa: F401
 
 
 @dataclass
+class ImagePart:
+    """An image of a vision model's prompt (common/image_keys.py, worker_mlx/mrope.py): its
+    placeholder run starts at token `start` of the whole prompt, `grid` is the processor's
+    (t, h, w) patch grid, every token of the run is `pad` in the input ids, and `pixels`
+    are the processor's pixel values (float32, one row per patch), empty when the worker
+    does not need them (the run is cached, or its vision embeddings are)."""
+
+    start: int
+    grid: list[int]
+    pad: int
+    pixels: bytes = b""
+
+
+@dataclass
 class GenerateReq:
     rid: str
     input_ids: list[int]
@@ -48,6 +62,8 @@ class GenerateReq:
     # The LoRA adapter it runs with: its id, the --lora flags' order from 1 (0: the base
     # model). Part of its cache namespace: prefixes are shared within one adapter only.
     lora: int = 0
+    # A vision model's prompt images (ImagePart), in prompt order; their runs are pad values.
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass
@@ -198,6 +214,9 @@ class ExtendReq:
     snapshots: list[list[int]] = field(default_factory=list)
     # Its LoRA adapter's id (GenerateReq.lora; 0: none), the same in every chunk.
     lora: int = 0
+    # Vision models: every image of the prompt (prefix included: the positions after an
+    # image depend on it), in prompt order.
+    images: list[ImagePart] = field(default_factory=list)
 
 
 @dataclass

@@ -212,6 +212,16 @@ class ServerArgs:
         action="extend",
         commands=SERVE,
     )
+    allow_image_urls: bool = flag(
+        False,
+        "a vision model fetches http(s) image URLs of requests (else only data: and file: "
+        "URLs and base64 sources), within --max-image-bytes and 10 s",
+        commands=SERVE,
+    )
+    max_image_bytes: int = flag(
+        8 * 1024 * 1024, "largest image a request may send (its encoded bytes)", commands=SERVE
+    )
+    max_images_per_request: int = flag(8, "most images one request may send", commands=SERVE)
     strict_max_tokens: bool = flag(
         False,
         "refuse (400) a max_tokens beyond what the context leaves after the prompt, "

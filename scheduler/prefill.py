@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from common.messages import ExtendReq
+from common.messages import ExtendReq, ImagePart
 from scheduler.cache import Admission, KVCacheManager
 from scheduler.memory_budget import MemoryBudget
 from scheduler.request import Req
@@ -135,6 +135,7 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
         prefix_state=adm.prefix_state,
         snapshots=adm.snapshots,
         lora=req.lora,
+        images=_images(req, len(prefix), req.num_computed),
     )
     # the worker needs the whole history for penalties, and the outputs for a grammar's state
     # (and the tokens before this chunk for its prompt's logprobs)
@@ -143,6 +144,19 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
     ):
         ext.context_ids, ext.output_ids = fill[: len(prefix)], list(req.output_ids)
     return ext
+
+
+def _images(req: Req, start: int, end: int) -> list[ImagePart]:
+    """The prompt's images for a chunk computing tokens [start, end): pixels only for those
+    whose run of pad values has tokens there (the others' KV is cached or comes later)."""
+    out, ids = [], req.input_ids
+    for image in req.images:
+        stop = image.start
+        while stop < len(ids) and ids[stop] == image.pad:
+            stop += 1
+        needed = image.start < end and stop > start
+        out.append(image if needed else ImagePart(image.start, image.grid, image.pad))
+    return out
 
 
 def _twin(req: Req, matched: int, picked: list[Req]) -> tuple[int, int] | None:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import SamplingParams
+from common.messages import ImagePart, SamplingParams
 
 
 @dataclass
@@ -17,6 +17,7 @@ class Req:
     namespace: int = 0  # the trie's namespace of its cache salt and adapter (cache_salt.py)
     lora: int = 0  # its LoRA adapter's id (0: the base model)
     priority_len: int = 0  # its prompt's first tokens to keep cached ahead of others
+    images: list[ImagePart] = field(default_factory=list)  # a vision prompt's, for the worker
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping: slots of the first `cache_len` tokens belong to the trie (locked via
     # `last_node`); the request owns the rest. `num_computed` tokens have KV.

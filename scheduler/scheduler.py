@@ -101,6 +101,7 @@ class Scheduler:
         req.lora = msg.lora
         req.namespace = cache_namespace(msg.cache_salt, msg.lora)
         req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
+        req.images = msg.images
         self.reqs[req.rid] = req
         self.waiting.append(req)
 

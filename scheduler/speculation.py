@@ -30,6 +30,7 @@ in flight and their KV slots, from their allocation to what each row keeps of th
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -152,6 +153,9 @@ class NgramSpeculation:
         state.seen = len(fill)
         room = min(req.remaining_new_tokens - 1, context_len - len(fill) - 1)
         draft = state.index.propose(min(self.k, room)) if room > 0 else []
+        if req.images:  # an image's pad values are prompt tokens, never a draft
+            pads = {image.pad for image in req.images}
+            draft = list(itertools.takewhile(lambda t: t not in pads, draft))
         if state.drafting:
             return draft
         state.shadow = draft[0] if draft else None

@@ -166,3 +166,41 @@ def parity_server(request):
     if request.param == "bos":
         return request.getfixturevalue("bos_server"), request.getfixturevalue("tiny_llama_bos")
     return request.getfixturevalue("tiny_server"), request.getfixturevalue("tiny_model")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(model_cache) -> str:
+    """The tiny Qwen2.5-VL model directory (mlx-vlm's classes, random weights)."""
+    from common.tiny_vlm import ensure_tiny_vlm
+
+    return str(ensure_tiny_vlm(model_cache, arch="qwen2_5_vl"))
+
+
+@functools.cache
+def load_vlm(path: str):
+    from mlx_vlm import load
+
+    return load(path)
+
+
+def random_image(seed: int, height: int = 80, width: int = 100):
+    """A seeded random RGB picture (PIL), the same for the same arguments."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def vlm_greedy(path: str, messages: list[dict], images: list, max_tokens: int) -> list[int]:
+    """mlx-vlm's own greedy generation for a chat with images: the vision reference."""
+    from mlx_vlm import generate
+
+    model, processor = load_vlm(path)
+    prompt = processor.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    result = generate(
+        model, processor, prompt, image=images or None, max_tokens=max_tokens, temperature=0.0
+    )
+    return list(result.token_ids)

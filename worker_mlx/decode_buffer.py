@@ -41,11 +41,12 @@ class DecodeBuffer:
     def __init__(
         self, pool: MlxKVPool, rids: list[str], slots: list[list[int]], free_columns: int = 1,
         states: StatePool | None = None, state_slots: list[int] = (),
-        state_from: list[int] | None = None,
+        state_from: list[int] | None = None, skips: list[int] = (),
     ):  # fmt: skip
         """Rows `rids` with their KV at `slots` from the pool; over recurrent layers
         (`states`), each row's state gathered from `state_from` (default: the rows' own
-        working `state_slots`) and flushed to the working slots."""
+        working `state_slots`) and flushed to the working slots; `skips`: the RoPE
+        positions each row's prompt skips (holes.py)."""
         self.pool = pool
         # row -> request (None: a dead row); a copy, as the caller's list may change
         self.rids: list[str | None] = list(rids)
@@ -59,7 +60,7 @@ class DecodeBuffer:
         self.recurrent: RecurrentRows | NoRecurrentRows = NoRecurrentRows()
         if states is not None:
             self.recurrent = RecurrentRows(states, state_slots, state_from)
-        self.holes = Holes(len(rids), cap)
+        self.holes = Holes(len(rids), cap, skips)
         self._left_pad_arr = mx.array(self.left_pad, dtype=mx.int32)
 
     def _head_index(self, slots: list[list[int]], T: int, cap: int) -> mx.array:
@@ -104,7 +105,10 @@ class DecodeBuffer:
         """Rows of requests that left go dead (flush them first if their KV is wanted)."""
         self.rids = [None if rid in rids else rid for rid in self.rids]
 
-    def seat(self, rids: list[str], slots: list[list[int]], state_slots: list[int] = ()) -> bool:
+    def seat(
+        self, rids: list[str], slots: list[list[int]], state_slots: list[int] = (),
+        skips: list[int] = (),
+    ) -> bool:  # fmt: skip
         """Make the live rows exactly `rids` (whose KV must all be in the pool): requests
         that left go dead, joining ones take dead rows. False when a rebuild is due: the
         joining ones do not fit (no dead row, or more tokens than columns before the next
@@ -123,6 +127,8 @@ class DecodeBuffer:
             self._fill(free[: len(joining)], [s for _, s in joining])
             homes = dict(zip(rids, state_slots))
             self.recurrent.fill(free[: len(joining)], [homes.get(rid, 0) for rid, _ in joining])
+            skip_of = dict(zip(rids, skips))
+            self.holes.seat(free[: len(joining)], [skip_of.get(rid, 0) for rid, _ in joining])
         for row, (rid, s) in zip(free, joining):
             self.rids[row] = rid
             self.left_pad[row] = self.idx - len(s)

@@ -163,4 +163,5 @@ def _piece(r: ExtendReq, start: int, end: int) -> ExtendReq:
         prefix_state=r.state_slot if start else r.prefix_state,
         snapshots=[[at - start, slot] for at, slot in r.snapshots if at == end],
         lora=r.lora,
+        images=r.images,
     )

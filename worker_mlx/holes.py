@@ -14,9 +14,11 @@ import mlx.core as mx
 
 
 class Holes:
-    def __init__(self, rows: int, capacity: int):
+    def __init__(self, rows: int, capacity: int, skips: list[int] = ()):
         self.marks = mx.zeros((rows, capacity), dtype=mx.bool_)  # (B, capacity)
-        self.gaps = mx.zeros((rows,), dtype=mx.int32)  # holes per row, which RoPE skips
+        # positions per row RoPE skips: its holes, plus what its prompt skips (a vision
+        # model's images take fewer M-RoPE positions than tokens: vision_pass.rope_skip)
+        self.gaps = mx.array(list(skips) or [0] * rows, dtype=mx.int32)
         self.counts = [0] * rows
         self.columns = 0  # the most holes any row has
 
@@ -30,6 +32,11 @@ class Holes:
         self.gaps = self.gaps + n
         self.counts = [a + b for a, b in zip(self.counts, rejected)]
         self.columns = max(self.counts)
+
+    def seat(self, rows: list[int], skips: list[int]) -> None:
+        """Rows taken over by joining requests (the buffer has no holes then) skip theirs."""
+        if rows:
+            self.gaps[mx.array(rows)] = mx.array(skips, dtype=mx.int32)
 
     def too_many(self, attended: int) -> bool:
         """Whether holes are a fifth of the `attended` columns: a rebuild is cheaper."""

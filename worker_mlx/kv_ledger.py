@@ -57,6 +57,7 @@ class KVLedger:
         self._rewindable = states is None
         self._slots: dict[str, list[int]] = {}
         self._state_slot: dict[str, int] = {}
+        self._rope_skip: dict[str, int] = {}  # a vision prompt's skipped positions (holes.py)
         self._buffer: DecodeBuffer | None = None
         # bets on the next descriptor, which hold buffer columns the flush rule covers
         self.lookahead = Lookahead()
@@ -64,11 +65,13 @@ class KVLedger:
 
     # ------------------------------------------------------------ slot lists
 
-    def open(self, rid: str, slots: list[int], state_slot: int = 0) -> None:
+    def open(self, rid: str, slots: list[int], state_slot: int = 0, rope_skip: int = 0) -> None:
         """`rid` decodes from now on; its KV is at `slots` (prefix and new tokens), its
-        recurrent state in `state_slot`."""
+        recurrent state in `state_slot`; its RoPE positions skip `rope_skip`."""
         self._slots[rid] = list(slots)
         self._state_slot[rid] = state_slot
+        if rope_skip:
+            self._rope_skip[rid] = rope_skip
 
     def add(self, rid: str, slots: list[int]) -> None:
         """A step's tokens of `rid` went (or go, at the next flush) to `slots`."""
@@ -114,15 +117,17 @@ class KVLedger:
             self.flush()
             slots = [self._slots[rid] for rid in rids]
             homes = [self._state_slot[rid] for rid in rids]
-            if buffer is None or not buffer.seat(rids, slots, homes):
+            skips = [self._rope_skip.get(rid, 0) for rid in rids]
+            if buffer is None or not buffer.seat(rids, slots, homes, skips):
                 buffer = self._buffer = DecodeBuffer(
-                    self.pool, rids, slots, states=self._buffer_states, state_slots=homes
-                )
+                    self.pool, rids, slots, states=self._buffer_states, state_slots=homes,
+                    skips=skips,
+                )  # fmt: skip
         elif flushed:
             self.flush()
         return buffer
 
-    def one_token_rows(self, reqs: list[ExtendReq]) -> DecodeBuffer:
+    def one_token_rows(self, reqs: list[ExtendReq], skips: list[int] = ()) -> DecodeBuffer:
         """A buffer seating `reqs`, prompts whose every token but the last is cached: the
         finished request's kept buffer when it holds the one prefix (Lookahead), else
         one gathered from the pool with room for this step and the next."""
@@ -133,7 +138,7 @@ class KVLedger:
             buffer = DecodeBuffer(
                 self.pool, [r.rid for r in reqs], prefixes, free_columns=2,
                 states=self._buffer_states, state_slots=[r.state_slot for r in reqs],
-                state_from=[r.prefix_state for r in reqs],
+                state_from=[r.prefix_state for r in reqs], skips=skips,
             )  # fmt: skip
         self._buffer = buffer
         return buffer
@@ -183,6 +188,7 @@ class KVLedger:
         for r in release:
             self._slots.pop(r.rid, None)
             self._state_slot.pop(r.rid, None)
+            self._rope_skip.pop(r.rid, None)
 
     def _final_snapshots(self, release: list[ReleaseReq]) -> None:
         """Finished requests' states (flushed just now) into the snapshots asked for."""

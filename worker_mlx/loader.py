@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -26,6 +27,13 @@ from worker_mlx.proposer import SchedulerDrafts
 from worker_mlx.self_check import batched_path_works, choose_batching
 from worker_mlx.speculation import Verifier
 from worker_mlx.state_pool import StateLayout, StatePool, state_slots
+from worker_mlx.vision_model import (
+    VisionLanguageModel,
+    is_vision_model,
+    load_vision_model,
+    read_config,
+)
+from worker_mlx.vision_pass import VisionPasses
 
 logger = logging.getLogger("worker")
 
@@ -54,6 +62,8 @@ def load_runner(
     _log_model(args.model_path, model_type, layout, vocab_size, context_len)
     draft = None
     if args.speculative_algorithm == "draft":
+        if isinstance(model, VisionLanguageModel):  # a text draft cannot embed images
+            _refuse(args.model_path, "a vision model takes no draft model (use ngram)")
         draft = _load_draft(args, backend, tokenizer, vocab_size)
     step = args.prefill_step_size or backend.prefill_step
     figures = memory.step_figures(model, layout, state_layout, vocab_size, step)
@@ -65,6 +75,8 @@ def load_runner(
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
+    if isinstance(model, VisionLanguageModel) and not batched:  # solo steps know no images
+        _refuse(args.model_path, "a vision model must run batched with per-row offsets")
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     proposer = SchedulerDrafts()
     if draft is not None:
@@ -75,6 +87,7 @@ def load_runner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
         grammars=grammars, states=states, pad_prefill=pad, pipeline_stage=stage, memory=held,
         lora=lora,
+        vision=VisionPasses(model) if isinstance(model, VisionLanguageModel) else None,
     )  # fmt: skip
     engine = Verifier(runner, proposer) if runner.verifies_drafts else runner
     ready = WorkerReady(
@@ -209,9 +222,12 @@ def _log_model(path: str, model_type: str, layout: KVLayout, vocab: int, context
 def _load_servable(path: str, rank: Rank | None = None):
     """mlx-lm's load (a rank's: lazily, cut to its share, then its weights loaded) and
     the probe of what its layers cache; a model the worker cannot serve ends the process
-    with one line that says what was found."""
+    with one line that says what was found. A vision-language model (its config has a
+    `vision_config`) is mlx-vlm's, as a VisionLanguageModel (vision_model.py)."""
     from mlx_lm import load
 
+    if is_vision_model(path):
+        return _load_vision(path, rank)
     try:
         model, tokenizer, config = load(path, return_config=True, lazy=rank is not None)
     except Exception as exc:  # mlx-lm's own message names the model type it lacks
@@ -229,6 +245,22 @@ def _load_servable(path: str, rank: Rank | None = None):
         return model, tokenizer, config, probe_layout(model)
     except UnsupportedModel as exc:
         _refuse(path, f"model type {_model_type(model, config)}: {exc}")
+
+
+def _load_vision(path: str, rank: Rank | None):
+    """A vision-language model through mlx-vlm, its tokenizer through mlx-lm's loader."""
+    from mlx_lm.utils import load_tokenizer
+
+    if rank is not None:
+        _refuse(path, "a vision model runs in one worker process (no --tp-size/--pp-size)")
+    try:
+        model, _ = load_vision_model(path)
+        probed = probe_layout(model)
+    except UnsupportedModel as exc:
+        _refuse(path, f"model type {_model_type(None, read_config(path))}: {exc}")
+    except Exception as exc:  # mlx-vlm's own message names the model type it lacks
+        _refuse(path, f"mlx-vlm cannot load it: {exc}")
+    return model, load_tokenizer(Path(path)), read_config(path), probed
 
 
 def _refuse(path: str, reason: str):

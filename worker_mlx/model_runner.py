@@ -54,7 +54,7 @@ class ModelRunner:
         batched: bool = True, prefill_step: int = 256, compile_decode: bool = False,
         grammars: Grammars | None = None, states: StatePool | None = None,
         pad_prefill: bool = True, pipeline_stage: bool = False, memory=None,
-        lora: LoraBank | NoLora = NO_LORA,
+        lora: LoraBank | NoLora = NO_LORA, vision=None,
     ):  # fmt: skip
         self.model = model
         self.pool = pool
@@ -73,6 +73,8 @@ class ModelRunner:
         self.grammars = grammars
         self.verifies_drafts = verifies_drafts(batched, pool.layout)
         self.memory = memory
+        # a vision model's VisionPasses (vision_pass.py): its passes' positions and images
+        self.vision = vision
         # the decode step of this batching mode, and when a pass is evaluated
         self._step = self._decode_batched if batched else self._decode_solo
         self._settle = self._settle_stage if pipeline_stage else self._settle_before_read
@@ -134,7 +136,8 @@ class ModelRunner:
     def _open(self, reqs: list[ExtendReq]) -> None:
         """From now on `reqs` decode, their KV at their prefix and new slots."""
         for r in reqs:
-            self.ledger.open(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.state_slot)
+            skip = self.vision.rope_skip(r) if self.vision else 0
+            self.ledger.open(r.rid, r.prefix_slot_ids + r.out_cache_loc, r.state_slot, skip)
 
     def _extend_one_token(self, reqs: list[ExtendReq]) -> StepOutput:
         """Prompts whose every token but the last is cached (a repeated prompt): the step
@@ -143,7 +146,8 @@ class ModelRunner:
         the request that just sent the same prompt still holds it, so it needs no gather
         (0.5-1 ms of the 6 ms a 2,048-token repeat spends in the worker)."""
         decodings = [self._new_decoding(r) for r in reqs]
-        buffer = self.ledger.one_token_rows(reqs)
+        skips = [self.vision.rope_skip(r) for r in reqs] if self.vision else []
+        buffer = self.ledger.one_token_rows(reqs, skips)
         with self.lora.rows_of(self._adapters(buffer.rids, decodings)):
             logits = buffer.step(self.decode_step, mx.array([r.input_ids for r in reqs]))
         self._open(reqs)
@@ -164,8 +168,9 @@ class ModelRunner:
         working slots and the snapshots asked for."""
         plan = ExtendPlan.for_reqs(pool, reqs, self.states)
         tokens = mx.array([r.input_ids + [0] * (plan.L - len(r.input_ids)) for r in reqs])
+        extra = self.vision.inputs(reqs, plan.L) if self.vision else {}
         with self.lora.rows_of([r.lora for r in reqs]):
-            out = forward(tokens, plan.layer_caches())
+            out = forward(tokens, plan.layer_caches(), **extra)
         plan.store_states()
         self._snapshot(reqs)
         return out
@@ -193,6 +198,8 @@ class ModelRunner:
         check_extend(r, self.pool.num_slots, self.ledger.states.num_slots, self.vocab_size)
 
     def _new_decoding(self, r: ExtendReq) -> Decoding:
+        if self.vision is not None:
+            r = self.vision.real_ids(r)  # penalties see an image's placeholders
         return Decoding.for_extend(r, self.keys, self.grammars)
 
     # ------------------------------------------------------------ decode
@@ -263,7 +270,7 @@ class ModelRunner:
                 s.rid, [s.last_token], self.ledger.slots(s.rid), [slot], s.sampling,
                 state_slot=home, prefix_state=home, lora=s.lora,
             )  # fmt: skip
-            forward = lambda t, c: self.model(t, cache=c)  # noqa: E731
+            forward = lambda t, c, **kw: self.model(t, cache=c, **kw)  # noqa: E731
             parts.append(self._pass(pool, [step], forward)[:, -1, :])
             self._settle(parts[-1], [], last=True)
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)

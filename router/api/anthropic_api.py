@@ -169,6 +169,8 @@ def _message(i: int, message: dict, signer: ThinkingSigner | None = None) -> lis
             calls.append(_tool_use(block, where))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, where))
+        elif kind == "image" and role == "user":
+            text.append(_image_block(block, where))
         else:
             raise RequestError(f"{where}: a {role} message cannot hold a {kind!r} block here")
     out = results
@@ -178,8 +180,29 @@ def _message(i: int, message: dict, signer: ThinkingSigner | None = None) -> lis
             turn["tool_calls"] = calls
         out.append(turn)
     elif text or not results:
-        out.append({"role": "user", "content": "".join(text)})
+        out.append({"role": "user", "content": _user_content(text)})
     return out
+
+
+def _user_content(pieces: list) -> str | list[dict]:
+    """A user turn's text, or its OpenAI parts when it holds an image."""
+    if all(isinstance(p, str) for p in pieces):
+        return "".join(pieces)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in pieces]
+
+
+def _image_block(block: dict, where: str) -> dict:
+    """An image block as OpenAI's image_url part (router.api.image_inputs reads it and
+    names `where` in its errors)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise RequestError(f"{where}.source: an image source is base64 (with data) or a url")
+    return {"type": "image_url", "image_url": {"url": url}, "_where": where}
 
 
 def _text_block(block, where: str) -> str:

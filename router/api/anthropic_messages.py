@@ -37,23 +37,25 @@ class AnthropicRoutes:
         self.models = models  # router.api.served_models: each request's model's ApiContext
         self.signer = ThinkingSigner()
 
-    def _plan(self, api: ApiContext, req: CountTokensRequest, grammar=None):
-        return plan_chat(
-            api.tok, req.openai_messages(self.signer), req.openai_tools(),
+    async def _plan(self, api: ApiContext, req: CountTokensRequest, grammar=None):
+        messages, images = await api.take_images(req.openai_messages(self.signer))
+        ids, prompt, grammar = plan_chat(
+            api.tok, messages, req.openai_tools(),
             req.openai_tool_choice(), req.template_kwargs(), grammar,
             getattr(req, "max_tokens", None),  # count_tokens has none
             req.think_budget(),
         )  # fmt: skip
+        return api.with_images(ids, images), prompt, grammar
 
     async def count_tokens(self, req: CountTokensRequest):
         api = await self.models.context(req.model)
-        ids, _, _ = self._plan(api, req)
+        ids, _, _ = await self._plan(api, req)
         return {"input_tokens": len(ids)}
 
     async def messages(self, req: MessagesRequest, request: Request):
         api = await self.models.context(req.model)
         grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
-        ids, prompt, grammar = self._plan(api, req, grammar)
+        ids, prompt, grammar = await self._plan(api, req, grammar)
         d = SamplingParams()
         kind, source = grammar or ("", "")
         sampling = SamplingParams(

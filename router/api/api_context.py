@@ -13,6 +13,7 @@ from common.messages import Output, SamplingParams
 from router.api.access_log import count_usage
 from router.api.cache_salt_header import request_salt
 from router.api.generation import Tokenization, generate_text
+from router.api.image_inputs import Limits, Prepared, VisionInputs
 from router.api.model_names import ModelNames
 from router.api.openai_api import TokenPieces
 from router.metrics import track_finish
@@ -38,6 +39,22 @@ class ApiContext:
         )
         self.model_name = self.names.reported  # the name responses report
         self.pieces = TokenPieces(tokenizer)  # token texts and bytes for logprobs
+        limits = Limits(args.max_image_bytes, args.max_images_per_request, args.allow_image_urls)
+        # a vision model's image handling; None: image parts are refused as any non-text
+        # (the tokenizer was loaded from the resolved model directory; --model-path may be
+        # a Hugging Face id)
+        model_dir = getattr(tokenizer, "name_or_path", None) or args.model_path
+        self.vision = VisionInputs.of(model_dir, tokenizer, limits)
+
+    async def take_images(self, messages: list) -> tuple[list, list[Prepared]]:
+        """The chat with its images taken out (a vision model's; else as it is)."""
+        if self.vision is None or not isinstance(messages, list):
+            return messages, []
+        return await self.vision.take(messages)
+
+    def with_images(self, ids: list[int], images: list[Prepared]) -> list[int]:
+        """The rendered prompt's ids with its images' runs (PromptIds), if it has any."""
+        return self.vision.expand(ids, images) if images else ids
 
     def start(
         self,

@@ -90,7 +90,9 @@ class Tokenization:
         if not input_ids:
             raise RequestError("the prompt is empty")
         if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+            pads = {image.pad for image in getattr(input_ids, "images", ())}  # image runs
+            if min(input_ids) < 0 or not {t for t in input_ids if t >= vocab} <= pads:
+                raise RequestError(f"prompt token ids must be in [0, {vocab})")
         try:
             sampling.validate(vocab)
         except InvalidParam as exc:

@@ -245,10 +245,12 @@ class _Routes:
         max_new = req.max_completion_tokens
         if max_new is None:
             max_new = req.max_tokens
+        messages, images = await api.take_images(req.messages)
         ids, prompt, grammar = plan_chat(
-            api.tok, req.messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
+            api.tok, messages, req.tools, req.tool_choice, req.template_kwargs(), grammar,
             max_new,
         )  # fmt: skip
+        ids = api.with_images(ids, images)
         max_new = api.tok.fit(len(ids), max_new)  # None: as much as the context leaves
         sampling = req.sampling(max_new, grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

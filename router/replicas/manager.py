@@ -296,7 +296,8 @@ class RouterManager:
             raise RequestError(f"request id {rid!r} is already in use", "duplicate_request_id")
         self.pending[rid] = pending = _Pending()
         finished = False
-        req = GenerateReq(rid, input_ids, sampling, cache_salt, priority_len, lora)
+        images = getattr(input_ids, "images", [])  # a vision prompt's (api.image_inputs)
+        req = GenerateReq(rid, list(input_ids), sampling, cache_salt, priority_len, lora, images)
         try:
             await self._submit(rid, pending, req, route_key=route_key)
             while True:

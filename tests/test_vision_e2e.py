@@ -1,0 +1,211 @@
+"""Images through a real server on the tiny Qwen2.5-VL: the official openai and anthropic
+SDKs send them, the answers are mlx-vlm's own greedy tokens, a repeated image is served
+from the radix cache (its run of pad values) and another image at the same place is not,
+and every bad image part gets a 400 naming it."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.conftest import load_vlm, random_image, vlm_greedy
+from tests.server import ServerProcess
+from tests.vision_prompts import IMAGE, Prompt, chat, png, text
+from worker_mlx.vision_model import VisionLanguageModel
+
+pytestmark = pytest.mark.slow
+N = 8
+QUESTION = "What is in the picture?"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vlm, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vision") / "server.log"
+    proc = ServerProcess(
+        tiny_vlm,
+        log,
+        extra=["--max-total-tokens", "4096", "--max-image-bytes", "200000"]
+        + ["--max-request-bytes", str(32 << 20)],  # so a 20 MB image reaches the image check
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        yield client
+
+
+def _data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(image)).decode()
+
+
+def _ask(oai, image, question: str = QUESTION, url: str | None = None):
+    content = [
+        {"type": "image_url", "image_url": {"url": url or _data_url(image)}},
+        {"type": "text", "text": question},
+    ]
+    return oai.chat.completions.create(
+        model=oai.models.list().data[0].id,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=N,
+        temperature=0,
+    )
+
+
+def test_openai_sdk_image_parity_and_cache(tiny_vlm, oai):
+    picture, other = random_image(20), random_image(21)
+    want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
+    first = _ask(oai, picture)
+    assert first.choices[0].token_ids == want
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = _ask(oai, picture)
+    assert again.choices[0].token_ids == want
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    # another image at the same place: only the text before it is reused
+    swapped = _ask(oai, other)
+    assert swapped.choices[0].token_ids == vlm_greedy(
+        tiny_vlm, chat(IMAGE, text(QUESTION)), [other], N
+    )
+    assert swapped.usage.prompt_tokens_details.cached_tokens == _run_start(tiny_vlm, picture)
+
+
+def _run_start(path: str, image) -> int:
+    """How many prompt tokens come before the image's run (the chat's opening text)."""
+    vlm, processor = load_vlm(path)
+    model = VisionLanguageModel(vlm, vlm.config.model_type)
+    return Prompt(model, processor, chat(IMAGE, text(QUESTION)), [image]).spans[0].start
+
+
+def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
+    picture = random_image(22)
+    source = {
+        "type": "base64",
+        "media_type": "image/png",
+        "data": base64.b64encode(png(picture)).decode(),
+    }
+    with anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0) as claude:
+        reply = claude.messages.create(
+            model=_model(server),
+            max_tokens=N,
+            extra_body={"temperature": 0.0},
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": source},
+                        {"type": "text", "text": QUESTION},
+                    ],
+                }
+            ],
+        )
+    want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
+    assert reply.usage.output_tokens == N
+    assert reply.content[0].text == _decode(tiny_vlm, want)
+
+
+def _model(server) -> str:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+def _decode(path: str, ids: list[int]) -> str:
+    from tests.conftest import load_vlm
+
+    return load_vlm(path)[1].tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _encoded(image, fmt: str) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    return out.getvalue()
+
+
+def _b64(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def test_bad_images_get_a_400_naming_the_part(server, tmp_path):
+    tiff = _encoded(random_image(23), "TIFF")
+    (tmp_path / "a.png").write_bytes(png(random_image(24)))
+    small = _b64(png(random_image(25, 30, 30)))
+    cases = [  # (the image part's url, or several parts; the message's needle)
+        ("data:image/png;base64,@@not base64@@", "base64 does not decode"),
+        (_b64(b"hello, not an image"), "not an image"),
+        (_b64(tiff, "image/tiff"), "TIFF images are not served"),
+        ("https://example.com/cat.png", "--allow-image-urls"),
+        ("ftp://example.com/cat.png", "must be data:, file: or http(s)"),
+        (_b64(b"\0" * (20 << 20)), "more than --max-image-bytes (200000)"),  # 20 MB
+        ([small] * 9, "9 images, more than --max-images-per-request (8)"),
+    ]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        model = _model(server)
+        for url, needle in cases:
+            urls = url if isinstance(url, list) else [url]
+            parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+            body = {"model": model, "messages": [{"role": "user", "content": parts}]}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, (needle, r.text)
+            err = r.json()["error"]
+            assert needle in err["message"], err
+            assert err["param"] == f"messages[0].content[{8 if len(urls) > 8 else 0}]"
+        # a file: URL is read on the server; the server still answers after all of these
+        part = {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'a.png'}"}}
+        body = {"model": model, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        # Anthropic's image source, named in its own path style
+        block = {"type": "image", "source": {"type": "file", "file_id": "x"}}
+        body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]}
+        r = http.post("/v1/messages", json=body)
+        assert r.status_code == 400 and "messages.0.content.0.source" in r.text
+
+
+def test_multi_turn_and_a_mixed_batch_of_8(tiny_vlm, oai):
+    """The second turn reuses the first turn's image from the cache; eight requests at
+    once, half with an image, each get mlx-vlm's own tokens."""
+    picture = random_image(26)
+    url = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
+    first = [{"role": "user", "content": [url, {"type": "text", "text": QUESTION}]}]
+    model = oai.models.list().data[0].id
+    one = oai.chat.completions.create(model=model, messages=first, max_tokens=N, temperature=0)
+    answer = one.choices[0].message.content
+    second = first + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    two = oai.chat.completions.create(model=model, messages=second, max_tokens=N, temperature=0)
+    ref = chat(IMAGE, text(QUESTION)) + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    assert two.choices[0].token_ids == vlm_greedy(tiny_vlm, ref, [picture], N)
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+
+    def ask(k: int):
+        if k % 2:
+            return _ask(oai, random_image(30 + k), f"Picture {k}?").choices[0].token_ids
+        messages = [{"role": "user", "content": f"Question number {k}, no picture."}]
+        reply = oai.chat.completions.create(
+            model=model, messages=messages, max_tokens=N, temperature=0
+        )
+        return reply.choices[0].token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    for k, tokens in enumerate(got):
+        if k % 2:
+            want = vlm_greedy(
+                tiny_vlm, chat(IMAGE, text(f"Picture {k}?")), [random_image(30 + k)], N
+            )
+        else:
+            want = vlm_greedy(
+                tiny_vlm, [{"role": "user", "content": f"Question number {k}, no picture."}], [], N
+            )
+        assert tokens == want, k
