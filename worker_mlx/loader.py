@@ -62,8 +62,7 @@ def load_runner(
     _log_model(args.model_path, model_type, layout, vocab_size, context_len)
     draft = None
     if args.speculative_algorithm == "draft":
-        if isinstance(model, VisionLanguageModel):  # a text draft cannot embed images
-            _refuse(args.model_path, "a vision model takes no draft model (use ngram)")
+        _check_vision(args, model, batched=True)  # before the draft model loads
         draft = _load_draft(args, backend, tokenizer, vocab_size)
     step = args.prefill_step_size or backend.prefill_step
     figures = memory.step_figures(model, layout, state_layout, vocab_size, step)
@@ -75,8 +74,7 @@ def load_runner(
     compiled = backend.compile_decode
     stage = rank is not None and rank.spec.pp > 1
     batched, pad = choose_batching(model, layout, vocab_size, compiled, step, state_layout, stage)
-    if isinstance(model, VisionLanguageModel) and not batched:  # solo steps know no images
-        _refuse(args.model_path, "a vision model must run batched with per-row offsets")
+    vision = _check_vision(args, model, batched)
     grammars = Grammars(tokenizer._tokenizer, vocab_size, sorted(tokenizer.eos_token_ids))
     proposer = SchedulerDrafts()
     if draft is not None:
@@ -86,8 +84,7 @@ def load_runner(
     runner = ModelRunner(
         model, pool, vocab_size, args.seed, batched, prefill_step=step, compile_decode=compiled,
         grammars=grammars, states=states, pad_prefill=pad, pipeline_stage=stage, memory=held,
-        lora=lora,
-        vision=VisionPasses(model) if isinstance(model, VisionLanguageModel) else None,
+        lora=lora, vision=vision,
     )  # fmt: skip
     engine = Verifier(runner, proposer) if runner.verifies_drafts else runner
     ready = WorkerReady(
@@ -99,6 +96,18 @@ def load_runner(
         verifies_drafts=runner.verifies_drafts, memory=memory.for_scheduler(held),
     )  # fmt: skip
     return engine, ready
+
+
+def _check_vision(args: ServerArgs, model, batched: bool) -> VisionPasses | None:
+    """A vision model's passes (None: a text model), refused where they cannot run: a text
+    draft model cannot embed images, and solo steps know no per-row image offsets."""
+    if not isinstance(model, VisionLanguageModel):
+        return None
+    if args.speculative_algorithm == "draft":
+        _refuse(args.model_path, "a vision model takes no draft model (use ngram)")
+    if not batched:
+        _refuse(args.model_path, "a vision model must run batched with per-row offsets")
+    return VisionPasses(model)
 
 
 def _adapters(args: ServerArgs, model) -> LoraBank | NoLora:
