@@ -151,7 +151,7 @@ class FileBlockStore:
                 f.write(data)
             os.replace(temp, path)  # atomic: readers see the whole file or none
         except OSError as exc:
-            temp.unlink(missing_ok=True)
+            _remove(temp)
             self._stop_writing(exc)
             return False
         with self._lock:
@@ -236,15 +236,19 @@ class FileBlockStore:
                 self._bytes -= size
                 self.dropped.append(key)
         if unlink and self.writable:
-            try:
-                self._path(key).unlink(missing_ok=True)
-            except OSError:
-                pass
+            _remove(self._path(key))
 
     def _stop_writing(self, exc: OSError) -> None:
         if self.writable:
             logger.warning("kv disk: cannot write under %s (%s); the tier stops writing", self.dir, exc)
         self.writable = False
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # an unwritable directory: the block stays, refused at every read
 
 
 def _checksum(meta: dict[str, str], arrays: dict[str, np.ndarray]) -> str:
