@@ -68,6 +68,8 @@ class TokenOut:
     # On the first output of a request that asked for them: per prompt token after the
     # first, [logprob, [[token_id, logprob], ...]].
     prompt_logprobs: list[Any] | None = None
+    # Of `cached_tokens`, those the disk tier loaded (the rest came from the pool).
+    disk_cached_tokens: int = 0
 
 
 @dataclass
@@ -195,9 +197,66 @@ class DecodeBatch:
 
 
 @dataclass
+class BlockSave:
+    """One whole block of a finished request for the disk tier: its chained key
+    (common/kv_store/block_keys.py), its parent's key, its tokens and the pool slots that
+    hold their KV (read after the release's flush, before any slot is reused)."""
+
+    key: str
+    parent: str
+    tokens: list[int]
+    slots: list[int]
+
+
+@dataclass
 class ReleaseBatch:
     step: int
     release: list[ReleaseReq]
+    # disk tier: blocks to copy out of the pool (then written by the worker's writer thread)
+    save: list[BlockSave] = field(default_factory=list)
+
+
+@dataclass
+class BlockLoad:
+    """A block to read from the disk tier into fresh pool slots: its tokens from `offset`
+    on (the first `offset` are in the pool already) go to `slots`, one each."""
+
+    key: str
+    offset: int
+    slots: list[int]
+
+
+@dataclass
+class LoadBatch:
+    """Read blocks of a prompt's prefix from the disk tier into the pool; answered with
+    BlocksLoaded. The blocks chain: one that fails ends the load there."""
+
+    step: int
+    loads: list[BlockLoad]
+    release: list[ReleaseReq] = field(default_factory=list)
+
+
+@dataclass
+class DiskReport:
+    """The disk tier's state and what happened since the worker's previous report:
+    `errors` by reason, the seconds of each block read and write, and the keys the store
+    dropped (budget, damage), which the scheduler forgets."""
+
+    bytes: int
+    blocks: int
+    errors: dict[str, int] = field(default_factory=dict)
+    read_seconds: list[float] = field(default_factory=list)
+    write_seconds: list[float] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BlocksLoaded:
+    """The answer to a LoadBatch: how many of its loads (in order) are in the pool."""
+
+    step: int
+    loaded: int
+    disk: DiskReport | None = None
 
 
 @dataclass
@@ -229,6 +288,8 @@ class StepResult:
     # the tokens on the host (None for an extend, or a step computed ahead). The
     # scheduler weighs a verify step's cost against a plain one's with it.
     step_seconds: float | None = None
+    # the disk tier's news since the last report (None: nothing new, or no tier)
+    disk: DiskReport | None = None
 
 
 @dataclass
@@ -265,6 +326,10 @@ class WorkerReady:
     verifies_drafts: bool = False
     # None: admission counts KV slots only (a scripted worker, an older worker)
     memory: MemoryReport | None = None
+    # the disk tier (--kv-disk-dir): the keys of the blocks it holds and its block size;
+    # None when the tier is off or this model cannot use it
+    disk_blocks: list[str] | None = None
+    disk_block_tokens: int = 0
 
 
 @dataclass
@@ -321,10 +386,10 @@ class ReplicaFrameError:
 
 
 SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq)
-SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError)
+SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError, BlocksLoaded)
 ROUTER_INBOX = _registry(
-    TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted, WorkerHung
+    TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted, WorkerHung, DiskReport
 )
-WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch)
+WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, LoadBatch)
 REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing)
 REPLICA_CONTROL_INBOX = _registry(ReplicaStatus, ReplicaFrameError)

@@ -34,7 +34,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from common.messages import SchedulerReady, SchedulerStats, TokenOut
+from common.messages import DiskReport, SchedulerReady, SchedulerStats, TokenOut
+from router.disk_metrics import DISK_METRICS, DiskMetrics
 
 PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
@@ -67,6 +68,7 @@ METRICS = {
     "replica_restarts": "counter",
     "replica_requests": "counter",
     "collective_seconds": "histogram",
+    **DISK_METRICS,
 }
 FINISH_REASONS = ("stop", "length", "abort")
 PROCESSES = ("router", "scheduler", "worker")
@@ -136,6 +138,7 @@ class Metrics:
             registry=r,
         )
         self._replica_metrics(r)
+        self.disk = DiskMetrics(r)
         self.collective = histogram(
             "collective_seconds",
             "A distributed worker's decode-step collectives, timed alone every 64 steps",
@@ -177,6 +180,7 @@ class Metrics:
             self.replica_up, self.replica_restarts, self.replica_requests,
         ):  # fmt: skip
             series.labels(replica)
+        self.disk.add_replica(replica)
         for reason in FINISH_REASONS:
             self.requests.labels(reason, replica)
 
@@ -221,6 +225,9 @@ class Metrics:
         self._stats[replica] = s
         self._set_gauges(s, replica)
 
+    def observe_disk(self, report: DiskReport, replica: str) -> None:
+        self.disk.observe_report(report, replica)
+
     def _set_gauges(self, s: SchedulerStats, replica: str) -> None:
         self.running.labels(replica).set(s.num_running)
         self.queued.labels(replica).set(s.num_queued)
@@ -236,6 +243,7 @@ class Metrics:
             self.queue_time.labels(replica).observe(max(0.0, out.queue_time))
             self.prompt_tokens.labels(replica).inc(out.prompt_tokens)
             self.cached_tokens.labels(replica).inc(out.cached_tokens)
+            self.disk.observe_first_output(out, replica)
         elif out.token_ids:
             gap = (now - live.last) / len(out.token_ids)
             itl = self.itl.labels(replica)

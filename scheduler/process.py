@@ -177,6 +177,8 @@ class SchedulerProcess:
         sees the state after that step; then tokens and errors."""
         sched = self.sched
         self._send_stats(sched.stats())
+        for report in sched.disk.take_reports() if sched.disk is not None else []:
+            self.to_router.send(encode(report))  # the disk tier's metrics
         evicted = sched.take_evicted()
         if evicted:
             self.to_router.send(encode(CacheEvicted(evicted)))

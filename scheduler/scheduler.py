@@ -14,9 +14,11 @@ import time
 from common.cache_salt import namespaced_key, salt_namespace
 from common.messages import (
     AbortReq,
+    BlocksLoaded,
     DecodeBatch,
     ExtendBatch,
     GenerateReq,
+    LoadBatch,
     ReleaseBatch,
     ReleaseReq,
     ReqError,
@@ -28,6 +30,7 @@ from common.messages import (
 )
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
+from scheduler.disk_tier import DiskIndex, PlannedLoad
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
@@ -60,7 +63,7 @@ class Scheduler:
         self.outputs: list[TokenOut | ReqError] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step = 0
-        self.in_flight: PrefillBatch | list[Req] | None = None
+        self.in_flight: PrefillBatch | list[Req] | list[PlannedLoad] | None = None
         self.retracted = 0
         self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
@@ -71,6 +74,10 @@ class Scheduler:
         self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
         # --max-memory: what each step may hold (None: a worker that reports no figures)
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
+        # the disk tier (--kv-disk-dir), when the worker has one for this model
+        self.disk = None
+        if worker.disk_blocks is not None and not args.disable_radix_cache:
+            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens)
 
     # ------------------------------------------------------------ inputs
 
@@ -128,13 +135,19 @@ class Scheduler:
 
     # ------------------------------------------------------------ batches
 
-    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | None:
+    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | LoadBatch | None:
         """The next message for the worker, or None when idle."""
+        if self.disk is not None and self.disk.saves:  # before any slot can be reused
+            self.step += 1
+            return ReleaseBatch(self.step, self._take_release(), self.disk.take_saves())
         prefill = None
         # After a prefill, running requests get one decode step before the next prefill, so
         # a stream of long prompts cannot stall them for several prefill steps in a row.
         decode_turn = self.last_was_prefill and bool(self.running)
         if (self.waiting or self.chunked) and not decode_turn:
+            load = self._disk_load()
+            if load is not None:
+                return load
             prefill = build_prefill(
                 self.waiting,
                 self.chunked,
@@ -158,6 +171,17 @@ class Scheduler:
             return ReleaseBatch(self.step, self._take_release())
         return None
 
+    def _disk_load(self) -> LoadBatch | None:
+        """Blocks of waiting prompts to bring back from the disk tier before they are
+        admitted (their match then runs through them)."""
+        planned = self.disk.plan(self.waiting, self.kv) if self.disk is not None else []
+        if not planned:
+            return None
+        self.in_flight = planned
+        self.step += 1
+        loads = [x for p in planned for x in p.loads]
+        return LoadBatch(self.step, loads, self._take_release())
+
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
         now = time.monotonic()
         for req in batch.reqs:
@@ -170,16 +194,29 @@ class Scheduler:
         self.in_flight = batch
         self.step += 1
         logger.info(
-            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, "
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, %s"
             "token usage: %.2f, #running-req: %d, #queue-req: %d",
             len(batch.reqs),
             batch.new_tokens,
             batch.cached_tokens,
+            self._disk_log(batch.reqs),
             self.kv.token_usage(),
             len(self.running),
             len(self.waiting),
         )
         return ExtendBatch(self.step, batch.extend, self._take_release())
+
+    def _disk_log(self, reqs: list[Req]) -> str:
+        """`#disk-cached-token: N, ` with the disk tier on: of #cached-token, what the
+        tier loaded for this batch's first admissions."""
+        if self.disk is None:
+            return ""
+        n = 0
+        for req in reqs:
+            if req.cached_tokens >= 0 and not req.disk_logged:
+                req.disk_logged = True
+                n += min(req.disk_tokens, req.cached_tokens)
+        return f"#disk-cached-token: {n}, "
 
     def _decode_batch(self) -> DecodeBatch:
         while len(self.running) > 1 and (
@@ -236,11 +273,16 @@ class Scheduler:
             len(self.running),
         )
 
-    def _release(self, req: Req, keep: bool) -> None:
+    def _release(self, req: Req, keep: bool, finished: bool = False) -> None:
         """Give `req`'s slots back and queue the worker's release: flush and keep the KV
-        (and a snapshot of the final state) in the trie, or drop it."""
+        (and a snapshot of the final state) in the trie, or drop it. A finished request's
+        blocks go to the disk tier (the ReleaseBatch next_batch sends first)."""
+        save = finished and self.disk is not None
+        tokens = req.fill_ids[: len(self.kv.req_to_token.get(req.rid))] if save else []
         snapshot = self.kv.release(req, keep)
         self.pending_release.append(ReleaseReq(req.rid, flush=keep, snapshot=snapshot))
+        if save:
+            self.disk.save_finished(self.kv, req, tokens)
 
     def _take_release(self) -> list[ReleaseReq]:
         release, self.pending_release = self.pending_release, []
@@ -248,8 +290,15 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def on_result(self, result: StepResult | WorkerError) -> None:
+    def on_result(self, result: StepResult | BlocksLoaded | WorkerError) -> None:
         batch, self.in_flight = self.in_flight, None
+        if self.disk is not None:
+            self.disk.on_report(getattr(result, "disk", None))
+        if isinstance(batch, list) and batch and isinstance(batch[0], PlannedLoad):
+            self.disk.loaded(self.kv, batch, result)
+            if self.args.debug_invariants:
+                self.check_invariants()
+            return
         if getattr(result, "collective_seconds", 0.0):
             self.collective_seconds = result.collective_seconds
             self.collective_probes += 1
@@ -306,7 +355,7 @@ class Scheduler:
             return
         if not joined:
             self.running.remove(req)
-        self._release(req, keep=True)
+        self._release(req, keep=True, finished=True)
         self._finish(req, req.finish_reason)
 
     def _apply_aborts(self) -> None:
@@ -355,6 +404,7 @@ class Scheduler:
                 prompt_tokens=len(req.input_ids),
                 completion_tokens=len(req.output_ids),
                 cached_tokens=max(req.cached_tokens, 0),
+                disk_cached_tokens=min(req.disk_tokens, max(req.cached_tokens, 0)),
                 logprobs=req.logprobs[start:] if with_lp else None,
                 top_logprobs=req.top_logprobs[start:] if with_lp else None,
                 queue_time=max(req.queue_time, 0.0) if start == 0 else 0.0,

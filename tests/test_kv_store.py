@@ -5,6 +5,7 @@ directory stops writing with one warning."""
 from __future__ import annotations
 
 import logging
+
 import numpy as np
 import pytest
 

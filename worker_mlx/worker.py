@@ -17,8 +17,10 @@ from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
     WORKER_INBOX,
+    BlocksLoaded,
     DecodeBatch,
     ExtendBatch,
+    LoadBatch,
     ReleaseBatch,
     StepResult,
     WorkerError,
@@ -48,6 +50,7 @@ def run_worker(
 
     from worker_mlx.buffer_cache import BufferCacheBound
     from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
+    from worker_mlx.kv_disk import open_tier
     from worker_mlx.loader import load_runner
     from worker_mlx.memory import StepGuard, apply_test_limits
 
@@ -55,6 +58,9 @@ def run_worker(
     rank = join_group(spec) if spec is not None else None
     engine, ready = load_runner(args, blas, rank)  # a runner, or a Verifier around one
     runner = engine.runner
+    disk = open_tier(args, runner.pool, runner.states is not None)
+    if disk is not None:
+        ready.disk_blocks, ready.disk_block_tokens = disk.store.keys(), disk.block_tokens
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
@@ -69,18 +75,19 @@ def run_worker(
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard)
+    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard, disk)
 
 
 def serve(
     engine, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None,
-    guard=None,
+    guard=None, disk=None,
 ) -> None:  # fmt: skip
     """`engine`: the runner, or the Verifier around it (its `runner`) that the loader
     built; `outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
     of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
     distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
-    `execute`); `guard`: the memory.StepGuard checked before each step."""
+    `execute`); `guard`: the memory.StepGuard checked before each step; `disk`: the
+    kv_disk.DiskTier (--kv-disk-dir), which saves and loads blocks and reports."""
     import zmq
 
     watch = ParentWatch()
@@ -106,11 +113,13 @@ def serve(
             forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if engine.runner.lookahead.has_step else []))
-        reply = execute(engine, msg, probe is not None, guard)
+        reply = execute(engine, msg, probe is not None, guard, disk)
         trace("done", step)
         if reply is not None and outbox is not None:
             if probe is not None and isinstance(reply, StepResult):
                 reply.collective_seconds = probe.take()
+            if disk is not None and not isinstance(reply, WorkerError):
+                reply.disk = disk.report()
             outbox.send(encode(reply))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead
@@ -118,7 +127,9 @@ def serve(
         after_step()
 
 
-def execute(engine, msg, group: bool = False, guard=None) -> StepResult | WorkerError | None:
+def execute(
+    engine, msg, group: bool = False, guard=None, disk=None
+) -> StepResult | BlocksLoaded | WorkerError | None:
     """The step's result, or the error it is answered with. In a group, only a descriptor
     the checks refuse (ValueError, raised alike on every rank before any collective) is
     answered: any other failure (a peer lost mid-collective) may have left the ranks'
@@ -127,7 +138,12 @@ def execute(engine, msg, group: bool = False, guard=None) -> StepResult | Worker
     try:
         if isinstance(msg, ReleaseBatch):
             engine.release(msg.release)
+            if disk is not None:
+                disk.save(msg.save)  # flushed just now; no later descriptor ran yet
             return None
+        if isinstance(msg, LoadBatch):
+            engine.release(msg.release)
+            return BlocksLoaded(msg.step, disk.load(msg.loads) if disk is not None else 0)
         ahead = engine.runner.lookahead.has_step  # then the step may already be computed
         started = time.perf_counter()
         if guard is not None and not ahead:

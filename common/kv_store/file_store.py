@@ -240,7 +240,9 @@ class FileBlockStore:
 
     def _stop_writing(self, exc: OSError) -> None:
         if self.writable:
-            logger.warning("kv disk: cannot write under %s (%s); the tier stops writing", self.dir, exc)
+            logger.warning(
+                "kv disk: cannot write under %s (%s); the tier stops writing", self.dir, exc
+            )
         self.writable = False
 
 

@@ -1,0 +1,186 @@
+"""The disk tier on the worker's side: blocks copied out of the pool and written by a
+writer thread, blocks read back into fresh pool slots, and the tier's report.
+
+The copy out of the pool happens on the MLX thread when the ReleaseBatch that names the
+blocks arrives (after its flush, before any later descriptor can reuse the slots): a
+gather evaluated at once, handed to the writer thread as bytes. So a decode step never
+waits for a file write, only for that copy. A load (LoadBatch) reads on the MLX thread
+for now (see docs/architecture.md, "The disk tier": overlapping reads with decode steps
+is the next step).
+
+Which models use the tier is decided here (`unsupported`): the pool's KV alone must be
+the whole of a prefix's cache, and the pool must be one process's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from common.kv_store.file_store import FileBlockStore
+from common.kv_store.fingerprint import fingerprint
+from common.kv_store.store import BlockError, BlockStore
+from common.messages import BlockLoad, BlockSave, DiskReport
+from common.server_args import ServerArgs
+from common.sizes import format_size, parse_size
+from worker_mlx.kv_pool import MlxKVPool
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_BUDGET = 64 << 30
+
+
+def unsupported(args: ServerArgs, has_states: bool) -> str | None:
+    """Why this server cannot use the tier yet (None: it can)."""
+    if has_states:
+        return "recurrent layers (their states at block ends are not stored yet)"
+    if args.speculative_algorithm == "draft":
+        return "a draft model (its own pool would miss the loaded blocks)"
+    if args.group_size > 1:
+        return "a distributed worker (each rank holds a share of the pool)"
+    return None
+
+
+def default_budget(root: Path) -> int:
+    """10% of the free space of the disk holding `root`, at most 64 GiB."""
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return min(shutil.disk_usage(probe).free // 10, MAX_DEFAULT_BUDGET)
+
+
+def open_tier(args: ServerArgs, pool: MlxKVPool, has_states: bool) -> DiskTier | None:
+    """The tier --kv-disk-dir asks for, or None (off, or a model it does not serve yet:
+    one log line says which)."""
+    if not args.kv_disk_dir:
+        return None
+    why = unsupported(args, has_states)
+    if why is not None:
+        logger.warning("--kv-disk-dir is ignored for this model: %s", why)
+        return None
+    root = Path(args.kv_disk_dir)
+    budget = parse_size(args.kv_disk_budget) if args.kv_disk_budget else default_budget(root)
+    block = args.kv_disk_block_tokens
+    print_ = fingerprint(args.model_path, repr(pool.layout), block)
+    store = FileBlockStore(root, print_, budget)
+    used, blocks = store.usage()
+    logger.info(
+        "kv disk tier: %s, %d blocks of %d tokens (%s of %s)",
+        store.dir, blocks, block, format_size(used), format_size(budget),
+    )  # fmt: skip
+    return DiskTier(store, pool, block)
+
+
+class DiskTier:
+    def __init__(self, store: BlockStore, pool: MlxKVPool, block_tokens: int):
+        self.store = store
+        self.pool = pool
+        self.block_tokens = block_tokens
+        self._lock = threading.Lock()
+        self._errors: Counter[str] = Counter()
+        self._reads: list[float] = []
+        self._writes: list[float] = []
+        self._last_usage = (-1, -1)
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True).start()
+
+    # ------------------------------------------------------------ save
+
+    def save(self, blocks: list[BlockSave]) -> None:
+        """Copy the blocks' KV out of the pool now (the MLX thread, after the flush) and
+        queue them for the writer thread."""
+        if not blocks or not self.store.writable:
+            return
+        gathered = []
+        for b in blocks:
+            idx = mx.array(b.slots, dtype=mx.int32)
+            gathered.append([p[idx] for layer in self.pool.parts for p in layer])
+        mx.eval(gathered)
+        for b, parts in zip(blocks, gathered):
+            arrays = {f"p{i}": np.array(p.view(mx.uint8)) for i, p in enumerate(parts)}
+            self._queue.put((b.key, b.parent, b.tokens, arrays))
+
+    def _write_loop(self) -> None:
+        while True:
+            key, parent, tokens, arrays = self._queue.get()
+            started = time.perf_counter()
+            try:
+                stored = self.store.put(key, parent, tokens, arrays)
+            except Exception:  # a store's bug must not end the writer: counted, logged
+                logger.exception("kv disk: writing block %s failed", key)
+                stored = False
+            self._queue.task_done()
+            with self._lock:
+                if stored:
+                    self._writes.append(time.perf_counter() - started)
+                else:
+                    self._errors["write"] += 1
+            if self._queue.empty():
+                self.store.save_index()
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until the queued writes are on disk (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    # ------------------------------------------------------------ load
+
+    def load(self, loads: list[BlockLoad]) -> int:
+        """Read the blocks into their slots, in order, up to the first that cannot be
+        served (missing, damaged, foreign: counted, never written to the pool); returns
+        how many were loaded."""
+        for n, load in enumerate(loads):
+            started = time.perf_counter()
+            try:
+                parts = self._read(load)
+            except BlockError as exc:
+                logger.warning("kv disk: %s; recomputing from there", exc)
+                with self._lock:
+                    self._errors[exc.reason] += 1
+                return n
+            idx = mx.array(load.slots, dtype=mx.int32)
+            n = len(self.pool.parts[0])  # parts per layer
+            for layer in range(len(self.pool.parts)):
+                self.pool.write_parts(layer, idx, parts[layer * n : (layer + 1) * n])
+            mx.eval(self.pool.arrays())
+            with self._lock:
+                self._reads.append(time.perf_counter() - started)
+        return len(loads)
+
+    def _read(self, load: BlockLoad) -> list[mx.array]:
+        """The block's parts as the pool stores them, its tokens from `offset` on."""
+        block = self.store.get(load.key)
+        B = self.block_tokens
+        if len(block.tokens) != B or len(load.slots) + load.offset != B:
+            raise BlockError("foreign", f"block {load.key}: not a block of this server's size")
+        parts = []
+        for i, stored in enumerate(p for layer in self.pool.parts for p in layer):
+            raw = block.arrays.get(f"p{i}")
+            shape = (self.block_tokens, *stored.shape[1:])
+            if raw is None or raw.size != stored.dtype.size * int(np.prod(shape)):
+                raise BlockError("foreign", f"block {load.key}: not this pool's layout")
+            parts.append(mx.array(raw).view(stored.dtype).reshape(shape)[load.offset :])
+        return parts
+
+    # ------------------------------------------------------------ report
+
+    def report(self) -> DiskReport | None:
+        """What changed since the last report (None: nothing)."""
+        usage = self.store.usage()
+        dropped = self.store.take_dropped()
+        with self._lock:
+            errors, reads, writes = dict(self._errors), self._reads, self._writes
+            self._errors, self._reads, self._writes = Counter(), [], []
+        if not (errors or reads or writes or dropped) and usage == self._last_usage:
+            return None
+        self._last_usage = usage
+        return DiskReport(usage[0], usage[1], errors, reads, writes, dropped)
