@@ -1,0 +1,116 @@
+"""The disk tier across model kinds and limits: a sliding-window model, n-gram
+speculation and an int8 pool serve an evicted prefix from disk with the same tokens; a
+hybrid (recurrent) model does not use the tier (one warning) and stays exact; a budget of
+a few blocks holds, also across a worker killed while it writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import mlx_greedy
+from tests.test_kv_disk_e2e import (
+    BLOCK,
+    NEW,
+    POOL,
+    _block_files,
+    _complete,
+    _metrics,
+    _prompt,
+    _serve,
+    _wait_saved,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _evict(server) -> None:
+    for seed in range(10, 13):  # each fills most of the pool
+        _complete(server, _prompt(seed, POOL - 40), 4)
+
+
+@pytest.mark.parametrize(
+    "arch, preset, flags",
+    [
+        ("mistral_swa", "tiny", []),
+        ("qwen3", "tiny", ["--speculative-algorithm", "ngram"]),
+        ("qwen3", "small", ["--kv-cache-dtype", "int8"]),  # head dim 64: one group
+    ],
+    ids=["sliding-window", "ngram", "int8"],
+)
+def test_evicted_prefix_from_disk_is_exact(tiny_arch, tmp_path, arch, preset, flags):
+    model = tiny_arch(arch, preset)
+    server = _serve(model, tmp_path / "log", tmp_path / "kv", *flags)
+    try:
+        p = _prompt(21)
+        cold, cached = _complete(server, p)
+        assert cached == 0
+        if "int8" not in flags:  # an int8 pool is compared with its own cold tokens
+            assert cold == mlx_greedy(model, p, NEW)
+        _wait_saved(tmp_path / "kv", p + cold[:-1])
+        _evict(server)
+        again, cached = _complete(server, p)
+        assert again == cold and cached == 5 * BLOCK
+        assert "Traceback" not in server.log()
+    finally:
+        assert server.stop() == 0
+
+
+def test_hybrid_model_does_not_use_the_tier(tiny_arch, tmp_path):
+    model = tiny_arch("qwen3_next")
+    server = _serve(model, tmp_path / "log", tmp_path / "kv")
+    try:
+        p = _prompt(22)
+        out, _ = _complete(server, p)
+        assert out == mlx_greedy(model, p, NEW)
+        assert "--kv-disk-dir is ignored for this model: recurrent layers" in server.log()
+        assert _block_files(tmp_path / "kv") == {}
+    finally:
+        assert server.stop() == 0
+
+
+def _held(kv_dir) -> int:
+    return sum(f.stat().st_size for f in kv_dir.glob("*/blocks/*/*") if f.is_file())
+
+
+def test_small_budget_holds_and_a_killed_writer_serves_no_wrong_token(tiny_model, tmp_path):
+    kv_dir = tmp_path / "kv"
+    budget = 150 << 10  # about four blocks of the tiny model
+    server = _serve(tiny_model, tmp_path / "log", kv_dir, "--kv-disk-budget", str(budget))
+    try:
+        block = 0
+        for seed in range(30, 34):
+            p = _prompt(seed)
+            assert _complete(server, p)[0] == mlx_greedy(tiny_model, p, NEW)
+            files = _block_files(kv_dir)
+            if files:
+                block = max(block, max(f.stat().st_size for f in files.values()))
+            assert _held(kv_dir) <= budget + block  # a temporary file at most
+        time.sleep(1)
+        assert 0 < _held(kv_dir) <= budget
+        assert 0 < _metrics(server)["radix_mlx_kv_disk_bytes"] <= budget
+        p = _prompt(35)
+        out, _ = _complete(server, p)
+        os.kill(server.child("worker"), signal.SIGKILL)  # while its blocks are written
+        _wait_healthy(server)
+        again, _ = _complete(server, p)
+        assert again == out == mlx_greedy(tiny_model, p, NEW)
+    finally:
+        assert server.stop() == 0
+
+
+def _wait_healthy(server, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    time.sleep(0.5)
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not come back")
