@@ -239,8 +239,8 @@ class LoadBatch:
 @dataclass
 class DiskReport:
     """The disk tier's state and what happened since the worker's previous report:
-    `errors` by reason, the seconds of each block read and write, and the keys the store
-    dropped (budget, damage), which the scheduler forgets."""
+    `errors` by reason, the seconds of each block read and write, the keys the store
+    dropped (budget, damage), which the scheduler forgets, and those it found added."""
 
     bytes: int
     blocks: int
@@ -248,6 +248,9 @@ class DiskReport:
     read_seconds: list[float] = field(default_factory=list)
     write_seconds: list[float] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    # blocks other servers sharing the directory wrote, found by the worker's rescan
+    added: list[str] = field(default_factory=list)
+    writable: bool = True  # False: the directory cannot be written (no more saves)
 
 
 @dataclass

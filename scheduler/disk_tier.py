@@ -44,11 +44,14 @@ class DiskIndex:
         self.block_tokens = block_tokens
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
         self.reports: list[DiskReport] = []  # for the router's metrics
+        self.writable = True  # the worker's store writes (else nothing is asked to save)
 
     # ------------------------------------------------------------ saves
 
     def save_finished(self, kv: KVCacheManager, req: Req, tokens: list[int]) -> None:
         """After `req` released `tokens` into the trie: queue its blocks not on disk."""
+        if not self.writable:
+            return
         B = self.block_tokens
         keys = block_keys(tokens, req.namespace, B)
         missing = [i for i, key in enumerate(keys) if key not in self.keys]
@@ -145,6 +148,8 @@ class DiskIndex:
         if report is None:
             return
         self.keys.difference_update(report.dropped)
+        self.keys.update(report.added)
+        self.writable = report.writable
         self.reports.append(report)
 
     def take_reports(self) -> list[DiskReport]:

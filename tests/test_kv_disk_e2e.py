@@ -131,5 +131,7 @@ def test_unwritable_directory_warns_and_serves(tiny_model, tmp_path):
         assert out == mlx_greedy(tiny_model, p, NEW)
         assert _complete(server, p)[0] == out
         assert "the tier stops writing" in server.log()
+        metrics = _metrics(server)  # nothing was promised to the scheduler, so none is
+        assert metrics['radix_mlx_kv_disk_errors_total{reason="missing"}'] == 0  # missed
     finally:
         assert server.stop() == 0

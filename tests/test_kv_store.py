@@ -5,6 +5,7 @@ directory stops writing with one warning."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -123,3 +124,29 @@ def test_unwritable_directory_warns_once_and_reads_on(tmp_path, caplog):
     warnings = [r for r in caplog.records if "stops writing" in r.getMessage()]
     assert len(warnings) == 1 and not store.writable
     assert store.get(key).tokens == tokens
+
+
+def test_servers_sharing_a_directory_see_each_others_blocks(tmp_path):
+    a = FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    b = FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    key, tokens, arrays = _block(20)
+    assert a.put(key, root_key(0), tokens, arrays)
+    assert b.keys() == [] and b.rescan() == [key]
+    assert b.get(key).tokens == tokens and b.usage()[1] == 1
+    _file(a, key).unlink()  # another server's budget took it
+    assert b.rescan() == [] and b.keys() == [] and b.take_dropped() == [key]
+
+
+def test_a_killed_writers_temporary_file_is_never_a_block(tmp_path):
+    store = FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    key, tokens, arrays = _block(21)
+    store.put(key, root_key(0), tokens, arrays)
+    whole = _file(store, key).read_bytes()
+    _file(store, key).unlink()
+    partial = _file(store, key).with_name(_file(store, key).name + ".tmp.999.1")
+    partial.write_bytes(whole[: len(whole) // 2])  # what a SIGKILL mid-write leaves
+    again = FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    assert again.keys() == [] and partial.exists()  # young: maybe a live writer's
+    os.utime(partial, (0, 0))
+    FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    assert not partial.exists()  # old: removed at start-up

@@ -36,6 +36,7 @@ from worker_mlx.kv_pool import MlxKVPool
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_BUDGET = 64 << 30
+RESCAN_SECONDS = 10.0  # how often the writer looks for blocks other servers wrote
 
 
 def unsupported(args: ServerArgs, has_states: bool) -> str | None:
@@ -88,7 +89,9 @@ class DiskTier:
         self._errors: Counter[str] = Counter()
         self._reads: list[float] = []
         self._writes: list[float] = []
-        self._last_usage = (-1, -1)
+        self._added: list[str] = []
+        self._scanned = time.monotonic()
+        self._last_state = None
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True).start()
 
@@ -110,7 +113,12 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         while True:
-            key, parent, tokens, arrays = self._queue.get()
+            if time.monotonic() - self._scanned > RESCAN_SECONDS:
+                self._rescan()
+            try:
+                key, parent, tokens, arrays = self._queue.get(timeout=RESCAN_SECONDS)
+            except queue.Empty:
+                continue
             started = time.perf_counter()
             try:
                 stored = self.store.put(key, parent, tokens, arrays)
@@ -125,6 +133,18 @@ class DiskTier:
                     self._errors["write"] += 1
             if self._queue.empty():
                 self.store.save_index()
+
+    def _rescan(self) -> None:
+        """Blocks other servers (replicas) sharing the directory wrote: the scheduler
+        learns of them with the next report."""
+        self._scanned = time.monotonic()
+        try:
+            added = self.store.rescan()
+        except OSError as exc:
+            logger.warning("kv disk: rescanning the directory failed: %s", exc)
+            return
+        with self._lock:
+            self._added += added
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until the queued writes are on disk (tests, shutdown)."""
@@ -178,9 +198,15 @@ class DiskTier:
         usage = self.store.usage()
         dropped = self.store.take_dropped()
         with self._lock:
-            errors, reads, writes = dict(self._errors), self._reads, self._writes
-            self._errors, self._reads, self._writes = Counter(), [], []
-        if not (errors or reads or writes or dropped) and usage == self._last_usage:
+            news = DiskReport(
+                usage[0], usage[1], dict(self._errors), self._reads, self._writes, dropped,
+                self._added, self.store.writable,
+            )  # fmt: skip
+            self._errors, self._reads, self._writes, self._added = Counter(), [], [], []
+        state = (usage, news.writable)
+        if state == self._last_state and not (
+            news.errors or news.read_seconds or news.write_seconds or dropped or news.added
+        ):
             return None
-        self._last_usage = usage
-        return DiskReport(usage[0], usage[1], errors, reads, writes, dropped)
+        self._last_state = state
+        return news

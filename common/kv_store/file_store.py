@@ -177,6 +177,22 @@ class FileBlockStore:
                 self._blocks.move_to_end(key)
         return block
 
+    def rescan(self) -> list[str]:
+        """Catch up with other servers sharing the directory: blocks they wrote are
+        added (as most recently used), blocks gone from it forgotten; the budget then
+        covers them all. Returns the added keys."""
+        found = self._scan()
+        with self._lock:
+            added = sorted((k for k in found if k not in self._blocks), key=lambda k: found[k][1])
+            for key in [k for k in self._blocks if k not in found]:
+                self._bytes -= self._blocks.pop(key)
+                self.dropped.append(key)
+            for key in added:
+                self._blocks[key] = found[key][0]
+                self._bytes += found[key][0]
+            self._fit(0)
+        return added
+
     def save_index(self) -> None:
         """Write the LRU order (best effort: the scan at start-up is what counts)."""
         if not self.writable:

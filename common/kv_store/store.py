@@ -45,5 +45,8 @@ class BlockStore(Protocol):
     def get(self, key: str) -> StoredBlock:
         """The block, verified; raises BlockError."""
 
+    def rescan(self) -> list[str]:
+        """Blocks others sharing the store added since the last look (their keys)."""
+
     def save_index(self) -> None:
         """Persist whatever speeds up the next start (may do nothing)."""
