@@ -24,6 +24,7 @@ from tests.test_kv_disk_e2e import (
     _serve,
     _wait_saved,
 )
+from worker_mlx.kv_disk import RESCAN_SECONDS
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +115,36 @@ def _wait_healthy(server, timeout: float = 120) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError("the server did not come back")
+
+
+def test_replicas_share_the_directory(tiny_model, tmp_path):
+    """--dp-size 2, round robin: a prompt one replica computed is served from disk by the
+    other, which learnt of its blocks by rescanning the directory."""
+    kv_dir = tmp_path / "kv"
+    flags = ("--dp-size", "2", "--routing-policy", "round_robin")
+    server = _serve(tiny_model, tmp_path / "log", kv_dir, *flags)
+    try:
+        _wait_replicas(server, 2)
+        p = _prompt(40)
+        out, _ = _complete(server, p)  # r0
+        _wait_saved(kv_dir, p + out[:-1])
+        time.sleep(RESCAN_SECONDS + 1.5)
+        _complete(server, _prompt(41, 20))  # r1: its reply brings the rescan's news
+        _complete(server, _prompt(42, 20))  # r0
+        again, cached = _complete(server, p)  # r1, whose pool never held p
+        assert again == out == mlx_greedy(tiny_model, p, NEW)
+        assert cached == 5 * BLOCK
+        metrics = _metrics(server)
+        assert metrics['radix_mlx_cache_hit_tokens_total{replica="r1",tier="disk"}'] == 5 * BLOCK
+    finally:
+        assert server.stop() == 0
+
+
+def _wait_replicas(server, n: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [r["state"] for r in httpx.get(server.url + "/health").json()["replicas"]]
+        if states.count("ready") == n:
+            return
+        time.sleep(0.3)
+    raise AssertionError("the replicas did not all start")

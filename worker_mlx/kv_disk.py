@@ -36,7 +36,7 @@ from worker_mlx.kv_pool import MlxKVPool
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_BUDGET = 64 << 30
-RESCAN_SECONDS = 10.0  # how often the writer looks for blocks other servers wrote
+RESCAN_SECONDS = 5.0  # how often the writer looks for blocks other servers wrote
 
 
 def unsupported(args: ServerArgs, has_states: bool) -> str | None:
@@ -116,7 +116,7 @@ class DiskTier:
             if time.monotonic() - self._scanned > RESCAN_SECONDS:
                 self._rescan()
             try:
-                key, parent, tokens, arrays = self._queue.get(timeout=RESCAN_SECONDS)
+                key, parent, tokens, arrays = self._queue.get(timeout=1.0)
             except queue.Empty:
                 continue
             started = time.perf_counter()
