@@ -23,10 +23,12 @@ from common.log import setup_logging
 from common.messages import (
     SCHEDULER_FROM_ROUTER,
     SCHEDULER_FROM_WORKER,
+    BlocksLoaded,
     CacheEvicted,
     DecodeBatch,
     ExtendBatch,
     GenerateReq,
+    LoadBatch,
     ReleaseBatch,
     ReqError,
     SchedulerReady,
@@ -82,7 +84,7 @@ class SchedulerProcess:
                 self._trace_batch(batch)  # before the send: the worker may log first
                 self.to_worker.send(encode(batch))
             self._send_outputs()  # errors and stats; tokens went out as they came
-            if batch is not None and not isinstance(batch, ReleaseBatch):
+            if batch is not None and not isinstance(batch, (ReleaseBatch, LoadBatch)):
                 sched.on_result(self._wait_result(batch))
                 self._send_outputs()  # before the next batch is built
 
@@ -137,6 +139,9 @@ class SchedulerProcess:
             except ProtocolError as exc:
                 logger.error("bad frame from worker: %s", exc)
                 msg = WorkerError(step=-1, message=f"undecodable reply from the worker: {exc}")
+            if isinstance(msg, BlocksLoaded) and self.sched is not None:
+                self.sched.on_loaded(msg)  # answered whenever read, not as a step's result
+                return None
             if want_worker:
                 return msg
             logger.warning("dropping %s from the worker: no step in flight", type(msg).__name__)

@@ -32,6 +32,7 @@ class Req:
     cached_tokens: int = -1  # prefix hit at first admission, reported in usage
     # the disk tier: whether its prompt was looked up there, and the tokens loaded for it
     disk_checked: bool = False
+    disk_loading: bool = False  # its blocks are being read: not admitted meanwhile
     disk_tokens: int = 0
     disk_logged: bool = False
     finish_reason: str | None = None

@@ -63,7 +63,7 @@ class Scheduler:
         self.outputs: list[TokenOut | ReqError] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.step = 0
-        self.in_flight: PrefillBatch | list[Req] | list[PlannedLoad] | None = None
+        self.in_flight: PrefillBatch | list[Req] | None = None
         self.retracted = 0
         self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
@@ -76,6 +76,7 @@ class Scheduler:
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
         # the disk tier (--kv-disk-dir), when the worker has one for this model
         self.disk = None
+        self.loading: dict[int, list[PlannedLoad]] = {}  # LoadBatch step -> its loads
         if worker.disk_blocks is not None and not args.disable_radix_cache:
             self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens)
 
@@ -149,7 +150,7 @@ class Scheduler:
             if load is not None:
                 return load
             prefill = build_prefill(
-                self.waiting,
+                [r for r in self.waiting if not r.disk_loading] if self.loading else self.waiting,
                 self.chunked,
                 self.running,
                 self.kv,
@@ -177,10 +178,25 @@ class Scheduler:
         planned = self.disk.plan(self.waiting, self.kv) if self.disk is not None else []
         if not planned:
             return None
-        self.in_flight = planned
         self.step += 1
+        self.loading[self.step] = planned
+        for plan in planned:
+            plan.req.disk_loading = True  # not admitted before its blocks are in the pool
         loads = [x for p in planned for x in p.loads]
         return LoadBatch(self.step, loads, self._take_release())
+
+    def on_loaded(self, answer: BlocksLoaded) -> None:
+        """The worker read a LoadBatch's blocks into the pool (any time, also while a
+        step is in flight): they join the trie, their prompts may be admitted."""
+        planned = self.loading.pop(answer.step, None)
+        if planned is None:
+            return
+        self.disk.on_report(answer.disk)
+        self.disk.loaded(self.kv, planned, answer)
+        for plan in planned:
+            plan.req.disk_loading = False
+        if self.args.debug_invariants:
+            self.check_invariants()
 
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
         now = time.monotonic()
@@ -290,15 +306,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
 
-    def on_result(self, result: StepResult | BlocksLoaded | WorkerError) -> None:
+    def on_result(self, result: StepResult | WorkerError) -> None:
         batch, self.in_flight = self.in_flight, None
         if self.disk is not None:
             self.disk.on_report(getattr(result, "disk", None))
-        if isinstance(batch, list) and batch and isinstance(batch[0], PlannedLoad):
-            self.disk.loaded(self.kv, batch, result)
-            if self.args.debug_invariants:
-                self.check_invariants()
-            return
         if getattr(result, "collective_seconds", 0.0):
             self.collective_seconds = result.collective_seconds
             self.collective_probes += 1
@@ -465,8 +476,11 @@ class Scheduler:
         return self.running + ([self.chunked] if self.chunked else [])
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(self.holders())
+        loading = [s for p in self.loading.values() for x in p for s in x.slots]
+        self.kv.check_invariants(self.holders(), loading)
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending_release)
+        waiting = any(not r.disk_loading for r in self.waiting)  # others wait for the disk
+        saves = self.disk is not None and bool(self.disk.saves)
+        return bool(waiting or self.running or self.chunked or self.pending_release or saves)

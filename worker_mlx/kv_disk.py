@@ -4,9 +4,9 @@ writer thread, blocks read back into fresh pool slots, and the tier's report.
 The copy out of the pool happens on the MLX thread when the ReleaseBatch that names the
 blocks arrives (after its flush, before any later descriptor can reuse the slots): a
 gather evaluated at once, handed to the writer thread as bytes. So a decode step never
-waits for a file write, only for that copy. A load (LoadBatch) reads on the MLX thread
-for now (see docs/architecture.md, "The disk tier": overlapping reads with decode steps
-is the next step).
+waits for a file write, only for that copy. A load (LoadBatch) is read and checked by a
+reader thread while the MLX thread goes on with its steps; between two steps the MLX
+thread writes what was read into the pool (`install_ready`) and answers BlocksLoaded.
 
 Which models use the tier is decided here (`unsupported`): the pool's KV alone must be
 the whole of a prefix's cache, and the pool must be one process's.
@@ -28,7 +28,7 @@ import numpy as np
 from common.kv_store.file_store import FileBlockStore
 from common.kv_store.fingerprint import fingerprint
 from common.kv_store.store import BlockError, BlockStore
-from common.messages import BlockLoad, BlockSave, DiskReport
+from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from common.server_args import ServerArgs
 from common.sizes import format_size, parse_size
 from worker_mlx.kv_pool import MlxKVPool
@@ -92,8 +92,16 @@ class DiskTier:
         self._added: list[str] = []
         self._scanned = time.monotonic()
         self._last_state = None
+        # per pool part (layer by layer, K's parts then V's), the bytes of one token
+        self._part_bytes = [
+            p.dtype.size * int(np.prod(p.shape[1:])) for layer in pool.parts for p in layer
+        ]
+        self.loading = 0  # LoadBatches submitted and not answered yet
         self._queue: queue.Queue = queue.Queue()
+        self._reads_queue: queue.Queue = queue.Queue()
+        self._read_done: queue.Queue = queue.Queue()
         threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True).start()
+        threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True).start()
 
     # ------------------------------------------------------------ save
 
@@ -154,42 +162,69 @@ class DiskTier:
 
     # ------------------------------------------------------------ load
 
-    def load(self, loads: list[BlockLoad]) -> int:
-        """Read the blocks into their slots, in order, up to the first that cannot be
-        served (missing, damaged, foreign: counted, never written to the pool); returns
-        how many were loaded."""
-        for n, load in enumerate(loads):
-            started = time.perf_counter()
+    def submit(self, step: int, loads: list[BlockLoad]) -> None:
+        """Queue a LoadBatch's blocks for the reader thread; `install_ready` writes them
+        into the pool once read (the MLX thread goes on with its steps meanwhile)."""
+        self.loading += 1
+        self._reads_queue.put((step, loads))
+
+    def _read_loop(self) -> None:
+        while True:
+            step, loads = self._reads_queue.get()
+            blocks = []
             try:
-                parts = self._read(load)
+                for load in loads:  # in order, up to the first that cannot be served
+                    started = time.perf_counter()
+                    blocks.append((load, self._read(load)))
+                    with self._lock:
+                        self._reads.append(time.perf_counter() - started)
             except BlockError as exc:
                 logger.warning("kv disk: %s; recomputing from there", exc)
                 with self._lock:
                     self._errors[exc.reason] += 1
-                return n
-            idx = mx.array(load.slots, dtype=mx.int32)
-            n = len(self.pool.parts[0])  # parts per layer
-            for layer in range(len(self.pool.parts)):
-                self.pool.write_parts(layer, idx, parts[layer * n : (layer + 1) * n])
-            mx.eval(self.pool.arrays())
-            with self._lock:
-                self._reads.append(time.perf_counter() - started)
-        return len(loads)
+            except Exception:  # a store's bug: the load ends there, its slots come back
+                logger.exception("kv disk: reading blocks failed")
+                with self._lock:
+                    self._errors["missing"] += 1
+            self._read_done.put((step, blocks))
 
-    def _read(self, load: BlockLoad) -> list[mx.array]:
-        """The block's parts as the pool stores them, its tokens from `offset` on."""
+    def _read(self, load: BlockLoad) -> list[np.ndarray]:
+        """The block's raw parts, checked against this pool's layout (the reader thread:
+        no MLX here)."""
         block = self.store.get(load.key)
         B = self.block_tokens
         if len(block.tokens) != B or len(load.slots) + load.offset != B:
             raise BlockError("foreign", f"block {load.key}: not a block of this server's size")
-        parts = []
-        for i, stored in enumerate(p for layer in self.pool.parts for p in layer):
-            raw = block.arrays.get(f"p{i}")
-            shape = (self.block_tokens, *stored.shape[1:])
-            if raw is None or raw.size != stored.dtype.size * int(np.prod(shape)):
-                raise BlockError("foreign", f"block {load.key}: not this pool's layout")
-            parts.append(mx.array(raw).view(stored.dtype).reshape(shape)[load.offset :])
-        return parts
+        raws = [block.arrays.get(f"p{i}") for i in range(len(self._part_bytes))]
+        if any(r is None or r.size != B * n for r, n in zip(raws, self._part_bytes)):
+            raise BlockError("foreign", f"block {load.key}: not this pool's layout")
+        return raws
+
+    def install_ready(self) -> list[BlocksLoaded]:
+        """Write the blocks the reader has read into their slots (the MLX thread, between
+        steps: a copy, no file I/O) and answer their LoadBatches."""
+        answers = []
+        while True:
+            try:
+                step, blocks = self._read_done.get_nowait()
+            except queue.Empty:
+                return answers
+            stored = [p for layer in self.pool.parts for p in layer]
+            per_layer = len(self.pool.parts[0])
+            for load, raws in blocks:
+                idx = mx.array(load.slots, dtype=mx.int32)
+                parts = [
+                    mx.array(raw)
+                    .view(p.dtype)
+                    .reshape(self.block_tokens, *p.shape[1:])[load.offset :]
+                    for raw, p in zip(raws, stored)
+                ]
+                for layer in range(len(self.pool.parts)):
+                    cut = parts[layer * per_layer : (layer + 1) * per_layer]
+                    self.pool.write_parts(layer, idx, cut)
+            mx.eval(self.pool.arrays())
+            self.loading -= 1
+            answers.append(BlocksLoaded(step, len(blocks)))
 
     # ------------------------------------------------------------ report
 

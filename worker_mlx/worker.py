@@ -94,7 +94,12 @@ def serve(
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
-        if not poller.poll(1000):
+        if disk is not None and outbox is not None:
+            for answer in disk.install_ready():  # blocks read meanwhile, between steps
+                answer.disk = disk.report()
+                outbox.send(encode(answer))
+        loading = disk is not None and disk.loading
+        if not poller.poll(5 if loading else 1000):
             if not watch.parent_alive():
                 logger.info("parent process gone; exiting")
                 return
@@ -143,7 +148,10 @@ def execute(
             return None
         if isinstance(msg, LoadBatch):
             engine.release(msg.release)
-            return BlocksLoaded(msg.step, disk.load(msg.loads) if disk is not None else 0)
+            if disk is None:
+                return BlocksLoaded(msg.step, 0)
+            disk.submit(msg.step, msg.loads)  # answered once read (serve's loop)
+            return None
         ahead = engine.runner.lookahead.has_step  # then the step may already be computed
         started = time.perf_counter()
         if guard is not None and not ahead:
