@@ -36,7 +36,8 @@ from worker_mlx.kv_pool import MlxKVPool
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_BUDGET = 64 << 30
-RESCAN_SECONDS = 5.0  # how often the writer looks for blocks other servers wrote
+# how often the writer looks for blocks other servers wrote and saves the LRU order
+RESCAN_SECONDS = 5.0
 
 
 def unsupported(args: ServerArgs, has_states: bool) -> str | None:
@@ -139,13 +140,12 @@ class DiskTier:
                     self._writes.append(time.perf_counter() - started)
                 else:
                     self._errors["write"] += 1
-            if self._queue.empty():
-                self.store.save_index()
 
     def _rescan(self) -> None:
         """Blocks other servers (replicas) sharing the directory wrote: the scheduler
         learns of them with the next report."""
         self._scanned = time.monotonic()
+        self.store.save_index()  # the LRU order, for the next start (the files count)
         try:
             added = self.store.rescan()
         except OSError as exc:
