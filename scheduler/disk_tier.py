@@ -26,6 +26,7 @@ from scheduler.cache import KVCacheManager
 from scheduler.request import Req
 
 MAX_LOAD_TOKENS = 1 << 16  # per LoadBatch: a longer load goes in several
+PREFETCH_SHARE = 2  # loads ahead of admission take at most 1 / this of the pool
 
 
 @dataclass
@@ -45,6 +46,7 @@ class DiskIndex:
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
         self.reports: list[DiskReport] = []  # for the router's metrics
         self.writable = True  # the worker's store writes (else nothing is asked to save)
+        self.in_flight = 0  # tokens of LoadBatches not answered yet
 
     # ------------------------------------------------------------ saves
 
@@ -73,26 +75,35 @@ class DiskIndex:
     # ------------------------------------------------------------ loads
 
     def plan(self, waiting: list[Req], kv: KVCacheManager) -> list[PlannedLoad]:
-        """Loads for waiting prompts (first admissions) that the disk continues; each
-        prompt is looked at once. A prompt whose blocks another planned load brings
-        waits for the next round, where they are in the pool."""
+        """Loads for waiting prompts (first admissions) that the disk continues; a prompt
+        is done with once planned or found to have no block on disk. One whose blocks
+        another planned load brings, or that finds no room, is looked at again later."""
         planned: list[PlannedLoad] = []
         taken: set[str] = set()
-        budget = MAX_LOAD_TOKENS
+        # loaded ahead of admission, the blocks are evictable cache: a long queue must not
+        # load more than a share of the pool, or its loads would evict each other
+        ahead = self.in_flight + sum(r.disk_tokens for r in waiting if r.cached_tokens < 0)
+        budget = min(MAX_LOAD_TOKENS, kv.capacity // PREFETCH_SHARE - ahead)
         for req in waiting:
+            if budget <= 0:
+                break
             if req.disk_checked or req.rid in kv.req_to_token:
                 continue
             got = self._plan_one(req, kv, taken, budget)
             if got is None:
                 continue
             planned.append(got)
-            budget -= sum(len(x.slots) for x in got.loads)
+            need = sum(len(x.slots) for x in got.loads)
+            budget -= need
+            self.in_flight += need
         return planned
 
     def _plan_one(self, req: Req, kv: KVCacheManager, taken: set[str], budget: int):
         B = self.block_tokens
         head = req.fill_ids[:-1]  # at least one token is computed
-        keys = block_keys(head, req.namespace, B)
+        if req.disk_keys is None:  # hashed once: a prompt may be looked at again
+            req.disk_keys = block_keys(head, req.namespace, B)
+        keys = req.disk_keys
         m = kv.tree.match_prefix(head, req.namespace)
         pooled = len(m.slot_ids)
         blocks = []
@@ -102,8 +113,8 @@ class DiskIndex:
             blocks.append(k)
         if any(keys[k] in taken for k in blocks):
             return None  # another prompt of this round loads them
-        req.disk_checked = True
         if not blocks:
+            req.disk_checked = True
             return None
         end = (blocks[-1] + 1) * B
         need = end - pooled
@@ -114,6 +125,7 @@ class DiskIndex:
         kv.tree.dec_lock_ref(m.last_node)
         if slots is None:
             return None
+        req.disk_checked = True
         loads, at = [], 0
         for k in blocks:
             offset = max(pooled - k * B, 0)
@@ -127,6 +139,7 @@ class DiskIndex:
         blocks into the trie, the rest's slots freed and their keys forgotten."""
         left = answer.loaded if isinstance(answer, BlocksLoaded) else 0
         refused = isinstance(answer, BlocksLoaded)  # the first block not loaded was refused
+        self.in_flight -= sum(len(x.slots) for p in planned for x in p.loads)
         for plan in planned:
             n = min(left, len(plan.loads))
             left -= n

@@ -33,6 +33,7 @@ class Req:
     # the disk tier: whether its prompt was looked up there, and the tokens loaded for it
     disk_checked: bool = False
     disk_loading: bool = False  # its blocks are being read: not admitted meanwhile
+    disk_keys: list[str] | None = None  # its prompt's block keys, once hashed
     disk_tokens: int = 0
     disk_logged: bool = False
     finish_reason: str | None = None

@@ -141,14 +141,16 @@ class Scheduler:
         if self.disk is not None and self.disk.saves:  # before any slot can be reused
             self.step += 1
             return ReleaseBatch(self.step, self._take_release(), self.disk.take_saves())
+        # Prefetch: a prompt's blocks are read as soon as it waits, also while others
+        # decode (a LoadBatch holds up no step), so they are in the pool by its turn.
+        load = self._disk_load() if self.waiting else None
+        if load is not None:
+            return load
         prefill = None
         # After a prefill, running requests get one decode step before the next prefill, so
         # a stream of long prompts cannot stall them for several prefill steps in a row.
         decode_turn = self.last_was_prefill and bool(self.running)
         if (self.waiting or self.chunked) and not decode_turn:
-            load = self._disk_load()
-            if load is not None:
-                return load
             prefill = build_prefill(
                 [r for r in self.waiting if not r.disk_loading] if self.loading else self.waiting,
                 self.chunked,
