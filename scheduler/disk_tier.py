@@ -85,11 +85,11 @@ class DiskIndex:
         ahead = self.in_flight + sum(r.disk_tokens for r in waiting if r.cached_tokens < 0)
         budget = min(MAX_LOAD_TOKENS, kv.capacity // PREFETCH_SHARE - ahead)
         for req in waiting:
-            if budget <= 0:
-                break
             if req.disk_checked or req.rid in kv.req_to_token:
                 continue
-            got = self._plan_one(req, kv, taken, budget)
+            # the first load may take what its prompt needs (the pool holds the prompt)
+            alone = not planned and ahead == 0
+            got = self._plan_one(req, kv, taken, MAX_LOAD_TOKENS if alone else budget)
             if got is None:
                 continue
             planned.append(got)

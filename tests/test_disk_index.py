@@ -83,3 +83,18 @@ def test_two_prompts_of_one_prefix_load_it_once():
     assert disk.plan([b], kv) == []  # b now matches them in the pool
     assert len(kv.tree.match_prefix(b.input_ids).slot_ids) == 2 * B
     _check(kv)
+
+
+def test_prefetch_takes_at_most_half_the_pool_ahead_of_admission():
+    a_tokens, b_tokens = list(range(500, 525)), list(range(600, 625))  # 3 blocks each
+    keys = block_keys(a_tokens[:-1], 0, B) + block_keys(b_tokens[:-1], 0, B)
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex(keys, B)
+    a = Req("a", a_tokens, SamplingParams(max_new_tokens=4))
+    b = Req("b", b_tokens, SamplingParams(max_new_tokens=4))
+    planned = disk.plan([a, b], kv)
+    assert [p.req for p in planned] == [a] and not b.disk_checked  # 24 + 24 > 64 / 2
+    assert disk.plan([a, b], kv) == []  # a's load is in flight
+    disk.loaded(kv, planned, BlocksLoaded(1, loaded=3))
+    assert disk.plan([a, b], kv) == []  # a's blocks wait for its admission
+    a.cached_tokens = 24  # admitted
+    assert [p.req for p in disk.plan([b], kv)] == [b]
