@@ -157,6 +157,17 @@ class DiskIndex:
 
     # ------------------------------------------------------------ reports
 
+    @staticmethod
+    def log_field(reqs: list[Req]) -> str:
+        """`#disk-cached-token: N, ` for the per-batch log: of #cached-token, what the
+        tier loaded for this batch's first admissions."""
+        n = 0
+        for req in reqs:
+            if req.cached_tokens >= 0 and not req.disk_logged:
+                req.disk_logged = True
+                n += min(req.disk_tokens, req.cached_tokens)
+        return f"#disk-cached-token: {n}, "
+
     def on_report(self, report: DiskReport | None) -> None:
         if report is None:
             return

@@ -217,24 +217,12 @@ class Scheduler:
             len(batch.reqs),
             batch.new_tokens,
             batch.cached_tokens,
-            self._disk_log(batch.reqs),
+            self.disk.log_field(batch.reqs) if self.disk is not None else "",
             self.kv.token_usage(),
             len(self.running),
             len(self.waiting),
         )
         return ExtendBatch(self.step, batch.extend, self._take_release())
-
-    def _disk_log(self, reqs: list[Req]) -> str:
-        """`#disk-cached-token: N, ` with the disk tier on: of #cached-token, what the
-        tier loaded for this batch's first admissions."""
-        if self.disk is None:
-            return ""
-        n = 0
-        for req in reqs:
-            if req.cached_tokens >= 0 and not req.disk_logged:
-                req.disk_logged = True
-                n += min(req.disk_tokens, req.cached_tokens)
-        return f"#disk-cached-token: {n}, "
 
     def _decode_batch(self) -> DecodeBatch:
         while len(self.running) > 1 and (

@@ -14,6 +14,7 @@ the whole of a prefix's cache, and the pool must be one process's.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import shutil
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 MAX_DEFAULT_BUDGET = 64 << 30
 # how often the writer looks for blocks other servers wrote and saves the LRU order
 RESCAN_SECONDS = 5.0
+EXIT_DRAIN_SECONDS = 3.0
 
 
 def unsupported(args: ServerArgs, has_states: bool) -> str | None:
@@ -103,6 +105,9 @@ class DiskTier:
         self._read_done: queue.Queue = queue.Queue()
         threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True).start()
         threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True).start()
+        # a stopped worker (the router's STOP_SIGNAL exits) writes what it queued first,
+        # within the router's grace before its SIGKILL
+        atexit.register(self.close, EXIT_DRAIN_SECONDS)
 
     # ------------------------------------------------------------ save
 
@@ -159,6 +164,10 @@ class DiskTier:
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def close(self, timeout: float) -> None:
+        self.drain(timeout)
+        self.store.save_index()
 
     # ------------------------------------------------------------ load
 
