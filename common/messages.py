@@ -212,8 +212,10 @@ class BlockSave:
 class ReleaseBatch:
     step: int
     release: list[ReleaseReq]
-    # disk tier: blocks to copy out of the pool (then written by the worker's writer thread)
+    # disk tier: blocks to copy out of the pool (then written by the worker's writer thread),
+    # and keys of blocks on disk a finished request used again (most recently used now)
     save: list[BlockSave] = field(default_factory=list)
+    touch: list[str] = field(default_factory=list)
 
 
 @dataclass

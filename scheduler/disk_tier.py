@@ -44,6 +44,7 @@ class DiskIndex:
         self.keys = set(keys)
         self.block_tokens = block_tokens
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
+        self.touches: list[str] = []  # keys used again, for the next ReleaseBatch
         self.reports: list[DiskReport] = []  # for the router's metrics
         self.writable = True  # the worker's store writes (else nothing is asked to save)
         self.in_flight = 0  # tokens of LoadBatches not answered yet
@@ -57,6 +58,9 @@ class DiskIndex:
         B = self.block_tokens
         keys = block_keys(tokens, req.namespace, B)
         missing = [i for i, key in enumerate(keys) if key not in self.keys]
+        # the blocks it used again are the disk's most recent too: a prefix the pool keeps
+        # hot must not age out of the disk meanwhile
+        self.touches += [key for key in keys if key in self.keys]
         if not missing:
             return
         slots = kv.tree.match_prefix(tokens[: len(keys) * B], req.namespace).slot_ids
@@ -68,9 +72,9 @@ class DiskIndex:
             self.saves.append(BlockSave(keys[i], parent, tokens[piece], slots[piece]))
             self.keys.add(keys[i])  # one writer per block: later finishes do not ask again
 
-    def take_saves(self) -> list[BlockSave]:
-        out, self.saves = self.saves, []
-        return out
+    def take_saves(self) -> tuple[list[BlockSave], list[str]]:
+        out, touched, self.saves, self.touches = self.saves, self.touches, [], []
+        return out, touched
 
     # ------------------------------------------------------------ loads
 

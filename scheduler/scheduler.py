@@ -138,9 +138,9 @@ class Scheduler:
 
     def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | LoadBatch | None:
         """The next message for the worker, or None when idle."""
-        if self.disk is not None and self.disk.saves:  # before any slot can be reused
-            self.step += 1
-            return ReleaseBatch(self.step, self._take_release(), self.disk.take_saves())
+        if self.disk is not None and (self.disk.saves or self.disk.touches):
+            self.step += 1  # before any slot can be reused
+            return ReleaseBatch(self.step, self._take_release(), *self.disk.take_saves())
         # Prefetch: a prompt's blocks are read as soon as it waits, also while others
         # decode (a LoadBatch holds up no step), so they are in the pool by its turn.
         load = self._disk_load() if self.waiting else None
@@ -472,5 +472,5 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         waiting = any(not r.disk_loading for r in self.waiting)  # others wait for the disk
-        saves = self.disk is not None and bool(self.disk.saves)
+        saves = self.disk is not None and bool(self.disk.saves or self.disk.touches)
         return bool(waiting or self.running or self.chunked or self.pending_release or saves)

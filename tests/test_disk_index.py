@@ -30,14 +30,15 @@ def test_finished_blocks_are_named_with_the_trie_slots_once():
     kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex([], B)
     tokens = list(range(100, 120))  # two whole blocks and a tail
     _finished(kv, disk, "a", tokens)
-    saves = disk.take_saves()
+    saves, touched = disk.take_saves()
+    assert touched == []
     keys = block_keys(tokens, 0, B)
     assert [s.key for s in saves] == keys
     assert saves[0].parent == root_key(0) and saves[1].parent == keys[0]
     assert saves[1].tokens == tokens[B : 2 * B]
     assert saves[0].slots + saves[1].slots == kv.tree.match_prefix(tokens).slot_ids[: 2 * B]
-    _finished(kv, disk, "b", tokens + [7])  # the same blocks: not asked again
-    assert disk.take_saves() == []
+    _finished(kv, disk, "b", tokens + [7])  # the same blocks: not asked again, touched
+    assert disk.take_saves() == ([], keys)
 
 
 def test_load_after_a_partial_pool_match_and_a_refused_block():

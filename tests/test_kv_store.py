@@ -93,10 +93,12 @@ def test_budget_evicts_least_recently_used(tmp_path):
         assert store.put(key, root_key(0), tokens, arrays)
         if i >= 1:
             store.get(blocks[0][0])  # keeps the first block recently used
+        if i >= 2:
+            store.touch([blocks[1][0]])  # and the second, used from the pool
         held = sum(f.stat().st_size for f in (store.dir / "blocks").glob("*/*"))
         assert held <= store.budget
     keys = store.keys()
-    assert blocks[0][0] in keys and blocks[-1][0] in keys and len(keys) == 3
+    assert keys == [blocks[-1][0], blocks[0][0], blocks[1][0]]  # least recent first
     assert set(store.take_dropped()) == {k for k, _, _ in blocks} - set(keys)
 
 

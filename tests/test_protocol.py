@@ -206,7 +206,12 @@ EXAMPLES: dict[type, list] = {
     ReleaseBatch: [
         ReleaseBatch(step=8, release=RELEASES),
         ReleaseBatch(step=9, release=[]),
-        ReleaseBatch(step=10, release=[], save=[BlockSave("ab" * 16, "cd" * 16, [1, 2], [7, 8])]),
+        ReleaseBatch(
+            step=10,
+            release=[],
+            save=[BlockSave("ab" * 16, "cd" * 16, [1, 2], [7, 8])],
+            touch=["ef" * 16],
+        ),
     ],
     LoadBatch: [
         LoadBatch(step=11, loads=[BlockLoad("ab" * 16, 1, [9])], release=RELEASES),

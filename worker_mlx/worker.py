@@ -145,6 +145,7 @@ def execute(
             engine.release(msg.release)
             if disk is not None:
                 disk.save(msg.save)  # flushed just now; no later descriptor ran yet
+                disk.store.touch(msg.touch)
             return None
         if isinstance(msg, LoadBatch):
             engine.release(msg.release)

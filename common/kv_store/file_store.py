@@ -159,6 +159,12 @@ class FileBlockStore:
             self._bytes += len(data)
         return True
 
+    def touch(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+
     def get(self, key: str) -> StoredBlock:
         """The block, checked; BlockError(reason) when it is missing, truncated,
         corrupted or another model's."""

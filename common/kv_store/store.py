@@ -42,6 +42,9 @@ class BlockStore(Protocol):
     def put(self, key: str, parent: str, tokens: list[int], arrays: dict[str, np.ndarray]) -> bool:
         """Store a block; False when it was not stored (the store does not write)."""
 
+    def touch(self, keys: list[str]) -> None:
+        """Mark blocks used now (the LRU), without reading them."""
+
     def get(self, key: str) -> StoredBlock:
         """The block, verified; raises BlockError."""
 
