@@ -285,6 +285,7 @@ _PROMQL_WORDS = {
     "replica",
     "policy",
     "reason",
+    "tier",
     "max",
     "instance",
 }
