@@ -78,10 +78,11 @@ class DiskIndex:
 
     # ------------------------------------------------------------ loads
 
-    def plan(self, waiting: list[Req], kv: KVCacheManager) -> list[PlannedLoad]:
-        """Loads for waiting prompts (first admissions) that the disk continues; a prompt
-        is done with once planned or found to have no block on disk. One whose blocks
-        another planned load brings, or that finds no room, is looked at again later."""
+    def plan(self, waiting: list[Req], kv: KVCacheManager, reserve: int = 0) -> list[PlannedLoad]:
+        """Loads for waiting prompts (first admissions) that the disk continues, leaving
+        `reserve` slots obtainable beside each prompt's own. A prompt is done with once
+        planned or found to have no block on disk; one whose blocks another planned
+        load brings, or that finds no room, is looked at again later."""
         planned: list[PlannedLoad] = []
         taken: set[str] = set()
         # loaded ahead of admission, the blocks are evictable cache: a long queue must not
@@ -93,7 +94,8 @@ class DiskIndex:
                 continue
             # the first load may take what its prompt needs (the pool holds the prompt)
             alone = not planned and ahead == 0
-            got = self._plan_one(req, kv, taken, MAX_LOAD_TOKENS if alone else budget)
+            limit = MAX_LOAD_TOKENS if alone else budget
+            got = self._plan_one(req, kv, taken, limit, reserve)
             if got is None:
                 continue
             planned.append(got)
@@ -102,7 +104,7 @@ class DiskIndex:
             self.in_flight += need
         return planned
 
-    def _plan_one(self, req: Req, kv: KVCacheManager, taken: set[str], budget: int):
+    def _plan_one(self, req: Req, kv: KVCacheManager, taken: set[str], budget: int, reserve: int):
         B = self.block_tokens
         head = req.fill_ids[:-1]  # at least one token is computed
         if req.disk_keys is None:  # hashed once: a prompt may be looked at again
@@ -122,7 +124,7 @@ class DiskIndex:
             return None
         end = (blocks[-1] + 1) * B
         need = end - pooled
-        if need > budget or kv.budget() < len(req.fill_ids) - pooled:
+        if need > budget or kv.budget() < len(req.fill_ids) - pooled + reserve:
             return None
         kv.tree.inc_lock_ref(m.last_node)  # the pool part must survive the allocation
         slots = kv.alloc(need)

@@ -143,7 +143,7 @@ class Scheduler:
             return ReleaseBatch(self.step, self._take_release(), *self.disk.take_saves())
         # Prefetch: a prompt's blocks are read as soon as it waits, also while others
         # decode (a LoadBatch holds up no step), so they are in the pool by its turn.
-        load = self._disk_load() if self.waiting else None
+        load = self._disk_load() if self.waiting and self.chunked is None else None
         if load is not None:
             return load
         prefill = None
@@ -177,7 +177,11 @@ class Scheduler:
     def _disk_load(self) -> LoadBatch | None:
         """Blocks of waiting prompts to bring back from the disk tier before they are
         admitted (their match then runs through them)."""
-        planned = self.disk.plan(self.waiting, self.kv) if self.disk is not None else []
+        if self.disk is None:
+            return None
+        # a chunked prefill's next chunks were counted on; each running request needs a
+        # slot at its next decode step: a load leaves room for them
+        planned = self.disk.plan(self.waiting, self.kv, reserve=len(self.running))
         if not planned:
             return None
         self.step += 1
