@@ -470,7 +470,7 @@ class Scheduler:
         return self.running + ([self.chunked] if self.chunked else [])
 
     def check_invariants(self) -> None:
-        loading = [s for p in self.loading.values() for x in p for s in x.slots]
+        loading = [s for ps in self.loading.values() for p in ps for x in p.loads for s in x.slots]
         self.kv.check_invariants(self.holders(), loading)
 
     @property

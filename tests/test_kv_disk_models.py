@@ -148,3 +148,33 @@ def _wait_replicas(server, n: int, timeout: float = 180) -> None:
             return
         time.sleep(0.3)
     raise AssertionError("the replicas did not all start")
+
+
+def test_concurrent_sessions_on_a_small_pool_stay_exact(tiny_model, tmp_path):
+    """Concurrent sessions on a pool that must evict and retract: loads run while other
+    requests decode, and every output is mlx-lm's (--debug-invariants checks the slot
+    accounting after every step and load)."""
+    import concurrent.futures
+
+    # room for about three requests at once: loads overlap other requests' decode steps
+    server = _serve(tiny_model, tmp_path / "log", tmp_path / "kv", "--max-total-tokens", "1200")
+    try:
+        bases = [_prompt(50 + i, 200 + 40 * i) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            firsts = list(pool.map(lambda p: _complete(server, p, 24)[0], bases))
+            for base, out in zip(bases, firsts):
+                _wait_saved(tmp_path / "kv", base + out[:-1])
+            for seed in (80, 81):  # the pool forgets the first turns
+                _complete(server, _prompt(seed, 1100), 4)
+            turns = [b + o + _prompt(60 + i, 16) for i, (b, o) in enumerate(zip(bases, firsts))]
+            load = turns + [_prompt(70 + i, 300) for i in range(4)]
+            seconds = list(pool.map(lambda p: _complete(server, p, 48)[0], load))
+        for prompt, out in zip(bases, firsts):
+            assert out == mlx_greedy(tiny_model, prompt, 24)
+        for prompt, out in zip(load, seconds):
+            assert out == mlx_greedy(tiny_model, prompt, 48)
+        assert _metrics(server)['radix_mlx_cache_hit_tokens_total{tier="disk"}'] > 0
+        log = server.log()
+        assert "Traceback" not in log and "slots lost" not in log and "two owners" not in log
+    finally:
+        assert server.stop() == 0
