@@ -108,6 +108,8 @@ class TokenOut:
     # On the first output of a request that asked for them: per prompt token after the
     # first, [logprob, [[token_id, logprob], ...]].
     prompt_logprobs: list[Any] | None = None
+    # Of `cached_tokens`, those the disk tier loaded (the rest came from the pool).
+    disk_cached_tokens: int = 0
 
 
 @dataclass
@@ -273,9 +275,71 @@ class EmbedResult:
 
 
 @dataclass
+class BlockSave:
+    """One whole block of a finished request for the disk tier: its chained key
+    (common/kv_store/block_keys.py), its parent's key, its tokens and the pool slots that
+    hold their KV (read after the release's flush, before any slot is reused)."""
+
+    key: str
+    parent: str
+    tokens: list[int]
+    slots: list[int]
+
+
+@dataclass
 class ReleaseBatch:
     step: int
     release: list[ReleaseReq]
+    # disk tier: blocks to copy out of the pool (then written by the worker's writer thread),
+    # and keys of blocks on disk a finished request used again (most recently used now)
+    save: list[BlockSave] = field(default_factory=list)
+    touch: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BlockLoad:
+    """A block to read from the disk tier into fresh pool slots: its tokens from `offset`
+    on (the first `offset` are in the pool already) go to `slots`, one each."""
+
+    key: str
+    offset: int
+    slots: list[int]
+
+
+@dataclass
+class LoadBatch:
+    """Read blocks of a prompt's prefix from the disk tier into the pool; answered with
+    BlocksLoaded. The blocks chain: one that fails ends the load there."""
+
+    step: int
+    loads: list[BlockLoad]
+    release: list[ReleaseReq] = field(default_factory=list)
+
+
+@dataclass
+class DiskReport:
+    """The disk tier's state and what happened since the worker's previous report:
+    `errors` by reason, the seconds of each block read and write, the keys the store
+    dropped (budget, damage), which the scheduler forgets, and those it found added."""
+
+    bytes: int
+    blocks: int
+    errors: dict[str, int] = field(default_factory=dict)
+    read_seconds: list[float] = field(default_factory=list)
+    write_seconds: list[float] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    # blocks other servers sharing the directory wrote, found by the worker's rescan
+    added: list[str] = field(default_factory=list)
+    writable: bool = True  # False: the directory cannot be written (no more saves)
+
+
+@dataclass
+class BlocksLoaded:
+    """The answer to a LoadBatch: how many of its loads (in order) are in the pool."""
+
+    step: int
+    loaded: int
+    disk: DiskReport | None = None
 
 
 @dataclass
@@ -307,6 +371,8 @@ class StepResult:
     # the tokens on the host (None for an extend, or a step computed ahead). The
     # scheduler weighs a verify step's cost against a plain one's with it.
     step_seconds: float | None = None
+    # the disk tier's news since the last report (None: nothing new, or no tier)
+    disk: DiskReport | None = None
 
 
 @dataclass
@@ -348,6 +414,10 @@ class WorkerReady:
     embedding_normalized: bool = True
     # False: an embedding model's body without an LM head (worker_mlx/headless.py)
     generates: bool = True
+    # the disk tier (--kv-disk-dir): the keys of the blocks it holds and its block size;
+    # None when the tier is off or this model cannot use it
+    disk_blocks: list[str] | None = None
+    disk_block_tokens: int = 0
 
 
 @dataclass
@@ -404,10 +474,17 @@ class ReplicaFrameError:
 
 
 SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq, EmbedReq)
-SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError, EmbedResult)
+SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError, EmbedResult, BlocksLoaded)
 ROUTER_INBOX = _registry(
-    TokenOutBatch, ReqError, SchedulerReady, SchedulerStats, CacheEvicted, WorkerHung, EmbedOut
+    TokenOutBatch,
+    ReqError,
+    SchedulerReady,
+    SchedulerStats,
+    CacheEvicted,
+    WorkerHung,
+    EmbedOut,
+    DiskReport,
 )
-WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch)
+WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch, LoadBatch)
 REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing, EmbedReq)
 REPLICA_CONTROL_INBOX = _registry(ReplicaStatus, ReplicaFrameError)

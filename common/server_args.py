@@ -92,6 +92,22 @@ class ServerArgs:
         "config, else last)",
         choices=["last", "mean"],
     )
+    kv_disk_dir: str | None = flag(
+        None,
+        "directory of the persistent KV tier (off by default): prefixes of finished "
+        "requests are written there as blocks and loaded back instead of recomputed, "
+        "also after a restart; under DIR/<fingerprint>/ per model and KV layout",
+        metavar="DIR",
+    )
+    kv_disk_budget: str | None = flag(
+        None,
+        "most bytes the KV tier keeps under --kv-disk-dir, least recently used blocks "
+        "evicted first (default: 10% of the free space of that disk, at most 64GiB)",
+        metavar="SIZE",
+    )
+    kv_disk_block_tokens: int = flag(
+        256, "tokens per block of the KV tier (the unit written, keyed and loaded)"
+    )
     max_running_requests: int = flag(64, "decode batch limit")
     max_queued_requests: int = flag(
         4096, "requests in flight beyond which new ones get 503", commands=SERVE
@@ -385,6 +401,13 @@ class ServerArgs:
                 raise ValueError(f"--max-memory: {exc}") from None
             if size < 1 << 20:
                 raise ValueError(f"--max-memory {self.max_memory}: at least 1MiB")
+        if self.kv_disk_budget is not None:
+            try:
+                parse_size(self.kv_disk_budget)
+            except ValueError as exc:
+                raise ValueError(f"--kv-disk-budget: {exc}") from None
+        if self.kv_disk_block_tokens < 1:
+            raise ValueError("--kv-disk-block-tokens must be >= 1")
         if self.memory_wait_timeout < 0:
             raise ValueError("--memory-wait-timeout must be >= 0")
         if self.max_running_requests < 1:
@@ -464,6 +487,10 @@ class ServerArgs:
                 "run one local scheduler+worker pair each: not with --replica, --dp-size, "
                 "--tp-size or --pp-size"
             )
+        if self.kv_disk_dir and self.lora:
+            # the disk's block keys name an adapter by its --lora position, which a restart
+            # may give to another adapter, and the fingerprint does not cover adapters yet
+            raise ValueError("--kv-disk-dir is not yet supported with --lora")
         if self.several_models and self.lora:
             raise ValueError(
                 "--lora adapts the one model of --model-path: not yet with several models"

@@ -35,7 +35,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from common.messages import SchedulerReady, SchedulerStats, TokenOut
+from common.messages import DiskReport, SchedulerReady, SchedulerStats, TokenOut
+from router.disk_metrics import DISK_METRICS, DiskMetrics
 
 PREFIX = "radix_mlx_"
 # From a fast Mac (ms) to a slow CPU under load (minutes).
@@ -73,6 +74,7 @@ METRICS = {
     "model_evictions": "counter",
     "embedding_requests": "counter",
     "embedding_tokens": "counter",
+    **DISK_METRICS,
 }
 FINISH_REASONS = ("stop", "length", "abort")
 PROCESSES = ("router", "scheduler", "worker")
@@ -152,6 +154,7 @@ class Metrics:
         # apart from prompt_tokens (generation's), whose share cached_tokens is
         self.embedding_requests = counter("embedding_requests", "Answered /v1/embeddings requests")
         self.embedding_tokens = counter("embedding_tokens", "Input tokens of embeddings")
+        self.disk = DiskMetrics(r)
         self.collective = histogram(
             "collective_seconds",
             "A distributed worker's decode-step collectives, timed alone every 64 steps",
@@ -223,6 +226,7 @@ class Metrics:
             self.embedding_requests, self.embedding_tokens,
         ):  # fmt: skip
             series.labels(*self._at(replica))
+        self.disk.add_replica(replica)
         for reason in FINISH_REASONS:
             self.requests.labels(reason, *self._at(replica))
 
@@ -275,6 +279,9 @@ class Metrics:
         self._stats[self._at(replica)] = s
         self._set_gauges(s, replica)
 
+    def observe_disk(self, report: DiskReport, replica: str) -> None:
+        self.disk.observe_report(report, replica)
+
     def _set_gauges(self, s: SchedulerStats, replica: str) -> None:
         self.running.labels(*self._at(replica)).set(s.num_running)
         self.queued.labels(*self._at(replica)).set(s.num_queued)
@@ -290,6 +297,7 @@ class Metrics:
             self.queue_time.labels(*self._at(replica)).observe(max(0.0, out.queue_time))
             self.prompt_tokens.labels(*self._at(replica)).inc(out.prompt_tokens)
             self.cached_tokens.labels(*self._at(replica)).inc(out.cached_tokens)
+            self.disk.observe_first_output(out, replica)
         elif out.token_ids:
             gap = (now - live.last) / len(out.token_ids)
             itl = self.itl.labels(*self._at(replica))

@@ -242,14 +242,17 @@ class KVCacheManager:
         req.state_slot, req.pending_snapshots, req.branch_points = 0, [], []
         return snapshot
 
-    def check_invariants(self, holders: list[Req]) -> None:
-        """free + trie + owned by `holders` == capacity, and no slot has two owners; the
-        same for state slots."""
+    def check_invariants(self, holders: list[Req], loading: list[int] = ()) -> None:
+        """free + trie + owned by `holders` (+ `loading`: slots the disk tier is reading
+        blocks into) == capacity, and no slot has two owners; the same for state slots."""
         own = [
             s for r in holders for s in self.req_to_token.get(r.rid)[r.cache_len :] + r.dup_slots
         ]
         trie = self.tree.all_slot_ids()
-        _check_owners("KV", self.capacity, free=self.allocator.free_slots(), trie=trie, running=own)
+        _check_owners(
+            "KV", self.capacity, free=self.allocator.free_slots(), trie=trie, running=own,
+            loading=list(loading),
+        )  # fmt: skip
         if len(self.req_to_token) != len(holders):
             raise AssertionError("ReqToTokenPool and the running requests disagree")
         if self.states is not None:

@@ -23,6 +23,7 @@ from common.log import setup_logging
 from common.messages import (
     SCHEDULER_FROM_ROUTER,
     SCHEDULER_FROM_WORKER,
+    BlocksLoaded,
     CacheEvicted,
     DecodeBatch,
     EmbedBatch,
@@ -30,6 +31,7 @@ from common.messages import (
     EmbedReq,
     ExtendBatch,
     GenerateReq,
+    LoadBatch,
     ReleaseBatch,
     ReqError,
     SchedulerReady,
@@ -89,7 +91,7 @@ class SchedulerProcess:
                 self._trace_batch(batch)  # before the send: the worker may log first
                 self.to_worker.send(encode(batch))
             self._send_outputs()  # errors and stats; tokens went out as they came
-            if batch is not None and not isinstance(batch, ReleaseBatch):
+            if batch is not None and not isinstance(batch, (ReleaseBatch, LoadBatch)):
                 sched.on_result(self._wait_result(batch))
                 self._send_outputs()  # before the next batch is built
 
@@ -144,6 +146,9 @@ class SchedulerProcess:
             except ProtocolError as exc:
                 logger.error("bad frame from worker: %s", exc)
                 msg = WorkerError(step=-1, message=f"undecodable reply from the worker: {exc}")
+            if isinstance(msg, BlocksLoaded) and self.sched is not None:
+                self.sched.on_loaded(msg)  # answered whenever read, not as a step's result
+                return None
             if want_worker:
                 return msg
             logger.warning("dropping %s from the worker: no step in flight", type(msg).__name__)
@@ -186,6 +191,8 @@ class SchedulerProcess:
         sees the state after that step; then tokens and errors."""
         sched = self.sched
         self._send_stats(sched.stats())
+        for report in sched.disk.take_reports() if sched.disk is not None else []:
+            self.to_router.send(encode(report))  # the disk tier's metrics
         evicted = sched.take_evicted()
         if evicted:
             self.to_router.send(encode(CacheEvicted(evicted)))

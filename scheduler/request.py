@@ -32,6 +32,12 @@ class Req:
     pending_snapshots: list[tuple[int, int]] = field(default_factory=list)
     branch_points: list[int] = field(default_factory=list)
     cached_tokens: int = -1  # prefix hit at first admission, reported in usage
+    # the disk tier: whether its prompt was looked up there, and the tokens loaded for it
+    disk_checked: bool = False
+    disk_loading: bool = False  # its blocks are being read: not admitted meanwhile
+    disk_keys: list[str] | None = None  # its prompt's block keys, once hashed
+    disk_tokens: int = 0
+    disk_logged: bool = False
     finish_reason: str | None = None
     to_abort: bool = False
     arrival: float = field(default_factory=time.monotonic)

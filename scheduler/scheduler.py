@@ -14,6 +14,7 @@ import time
 from common.cache_salt import cache_namespace, namespaced_key
 from common.messages import (
     AbortReq,
+    BlocksLoaded,
     DecodeBatch,
     EmbedBatch,
     EmbedOut,
@@ -21,6 +22,7 @@ from common.messages import (
     EmbedResult,
     ExtendBatch,
     GenerateReq,
+    LoadBatch,
     ReleaseBatch,
     ReleaseReq,
     ReqError,
@@ -32,6 +34,7 @@ from common.messages import (
 )
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
+from scheduler.disk_tier import DiskIndex, PlannedLoad
 from scheduler.embedding import EmbedQueue
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
@@ -81,6 +84,11 @@ class Scheduler:
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
         # embeddings: rows of no KV, in steps of their own between the others
         self.embeds = EmbedQueue(self.context_len, args.chunked_prefill_size, self.memory)
+        # the disk tier (--kv-disk-dir), when the worker has one for this model
+        self.disk = None
+        self.loading: dict[int, list[PlannedLoad]] = {}  # LoadBatch step -> its loads
+        if worker.disk_blocks is not None and not args.disable_radix_cache:
+            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens)
 
     # ------------------------------------------------------------ inputs
 
@@ -153,18 +161,28 @@ class Scheduler:
 
     # ------------------------------------------------------------ batches
 
-    def next_batch(self) -> ExtendBatch | DecodeBatch | ReleaseBatch | EmbedBatch | None:
+    def next_batch(
+        self,
+    ) -> ExtendBatch | DecodeBatch | ReleaseBatch | EmbedBatch | LoadBatch | None:
         """The next message for the worker, or None when idle."""
+        if self.disk is not None and (self.disk.saves or self.disk.touches):
+            self.step += 1  # before any slot can be reused
+            return ReleaseBatch(self.step, self._take_release(), *self.disk.take_saves())
         embed = self._embed_batch()
         if embed is not None:
             return embed
+        # Prefetch: a prompt's blocks are read as soon as it waits, also while others
+        # decode (a LoadBatch holds up no step), so they are in the pool by its turn.
+        load = self._disk_load() if self.waiting and self.chunked is None else None
+        if load is not None:
+            return load
         prefill = None
         # After a prefill, running requests get one decode step before the next prefill, so
         # a stream of long prompts cannot stall them for several prefill steps in a row.
         decode_turn = self.last_was_prefill and bool(self.running)
         if (self.waiting or self.chunked) and not decode_turn:
             prefill = build_prefill(
-                self.waiting,
+                [r for r in self.waiting if not r.disk_loading] if self.loading else self.waiting,
                 self.chunked,
                 self.running,
                 self.kv,
@@ -203,6 +221,38 @@ class Scheduler:
         self.last_was_embed = True
         return batch
 
+    def _disk_load(self) -> LoadBatch | None:
+        """Blocks of waiting prompts to bring back from the disk tier before they are
+        admitted (their match then runs through them)."""
+        if self.disk is None:
+            return None
+        # a chunked prefill's next chunks were counted on; each running request needs a
+        # slot at its next decode step: a load leaves room for them
+        planned = self.disk.plan(self.waiting, self.kv, reserve=len(self.running))
+        if not planned:
+            return None
+        self.step += 1
+        self.loading[self.step] = planned
+        for plan in planned:
+            plan.req.disk_loading = True  # not admitted before its blocks are in the pool
+        loads = [x for p in planned for x in p.loads]
+        return LoadBatch(self.step, loads, self._take_release())
+
+    def on_loaded(self, answer: BlocksLoaded) -> None:
+        """The worker read a LoadBatch's blocks into the pool (any time, also while a
+        step is in flight): they join the trie, their prompts may be admitted."""
+        planned = self.loading.pop(answer.step, None)
+        if planned is None:
+            return
+        self.disk.on_report(answer.disk)
+        self.disk.loaded(self.kv, planned, answer)
+        for plan in planned:
+            plan.req.disk_loading = False
+        # (a step in flight holds slots of requests that join the running set after it:
+        # the check after its result covers this load too)
+        if self.args.debug_invariants and self.in_flight is None:
+            self.check_invariants()
+
     def _extend_batch(self, batch: PrefillBatch) -> ExtendBatch:
         now = time.monotonic()
         for req in batch.reqs:
@@ -215,11 +265,12 @@ class Scheduler:
         self.in_flight = batch
         self.step += 1
         logger.info(
-            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, "
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, %s"
             "token usage: %.2f, #running-req: %d, #queue-req: %d",
             len(batch.reqs),
             batch.new_tokens,
             batch.cached_tokens,
+            self.disk.log_field(batch.reqs) if self.disk is not None else "",
             self.kv.token_usage(),
             len(self.running),
             len(self.waiting),
@@ -281,11 +332,16 @@ class Scheduler:
             len(self.running),
         )
 
-    def _release(self, req: Req, keep: bool) -> None:
+    def _release(self, req: Req, keep: bool, finished: bool = False) -> None:
         """Give `req`'s slots back and queue the worker's release: flush and keep the KV
-        (and a snapshot of the final state) in the trie, or drop it."""
+        (and a snapshot of the final state) in the trie, or drop it. A finished request's
+        blocks go to the disk tier (the ReleaseBatch next_batch sends first)."""
+        save = finished and self.disk is not None
+        tokens = req.fill_ids[: len(self.kv.req_to_token.get(req.rid))] if save else []
         snapshot = self.kv.release(req, keep)
         self.pending_release.append(ReleaseReq(req.rid, flush=keep, snapshot=snapshot))
+        if save:
+            self.disk.save_finished(self.kv, req, tokens)
 
     def _take_release(self) -> list[ReleaseReq]:
         release, self.pending_release = self.pending_release, []
@@ -295,6 +351,8 @@ class Scheduler:
 
     def on_result(self, result: StepResult | WorkerError | EmbedResult) -> None:
         batch, self.in_flight = self.in_flight, None
+        if self.disk is not None:
+            self.disk.on_report(getattr(result, "disk", None))
         if isinstance(batch, EmbedBatch):
             self.outputs.extend(self.embeds.answer(batch, result))
             self._apply_aborts()  # those that came while it ran
@@ -355,7 +413,7 @@ class Scheduler:
             return
         if not joined:
             self.running.remove(req)
-        self._release(req, keep=True)
+        self._release(req, keep=True, finished=True)
         self._finish(req, req.finish_reason)
 
     def _apply_aborts(self) -> None:
@@ -404,6 +462,7 @@ class Scheduler:
                 prompt_tokens=len(req.input_ids),
                 completion_tokens=len(req.output_ids),
                 cached_tokens=max(req.cached_tokens, 0),
+                disk_cached_tokens=min(req.disk_tokens, max(req.cached_tokens, 0)),
                 logprobs=req.logprobs[start:] if with_lp else None,
                 top_logprobs=req.top_logprobs[start:] if with_lp else None,
                 queue_time=max(req.queue_time, 0.0) if start == 0 else 0.0,
@@ -464,11 +523,14 @@ class Scheduler:
         return self.running + ([self.chunked] if self.chunked else [])
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(self.holders())
+        loading = [s for ps in self.loading.values() for p in ps for x in p.loads for s in x.slots]
+        self.kv.check_invariants(self.holders(), loading)
 
     @property
     def busy(self) -> bool:
+        waiting = any(not r.disk_loading for r in self.waiting)  # others wait for the disk
+        saves = self.disk is not None and bool(self.disk.saves or self.disk.touches)
         return bool(
-            self.waiting or self.running or self.chunked or self.pending_release
+            waiting or self.running or self.chunked or self.pending_release or saves
             or self.embeds.waiting
         )  # fmt: skip

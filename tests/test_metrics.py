@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.ipc import free_ports
-from common.messages import SchedulerReady, SchedulerStats, TokenOut
+from common.messages import DiskReport, SchedulerReady, SchedulerStats, TokenOut
 from router.metrics import FINISH_REASONS, METRICS, PREFIX, PROCESSES, Metrics, exported_series
 from tests.server import ServerProcess
 
@@ -201,8 +201,12 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
     m.observe_death("worker", "r0")  # nothing runs there while it restarts
     assert _value(m, "num_running_requests") == 1
     # (collective_seconds: only a distributed worker's, test_distributed_e2e checks it)
-    # (embedding_*: the embeddings endpoint's, per replica too but not the brief's)
-    others = ("process_", "routing_", "replica_", "collective_", "model_", "embedding_")
+    # (embedding_*: the embeddings endpoint's, per replica too but not the brief's; the disk
+    # tier's: test_disk_tier_series below)
+    others = (
+        "process_", "routing_", "replica_", "collective_", "model_", "embedding_", "kv_disk_",
+        "cache_hit_",
+    )  # fmt: skip
     per_replica = {n for n in METRICS if not n.startswith(others)}
     assert per_replica == {name.removesuffix("_total") for name, _ in BRIEF}
     m.observe_embedding(12, "r1")
@@ -215,6 +219,27 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
         }:
             assert fam.samples, fam.name
             assert all(s.labels.get("replica") in ("r0", "r1") for s in fam.samples), fam.name
+
+
+def test_disk_tier_series():
+    """The worker's DiskReports set the gauges and add their errors and timings; a
+    request's first output splits its cached tokens into the pool's and the disk's."""
+    m = Metrics()
+    m.observe_ready(SchedulerReady(1024, 16, 4096, "qwen3"), "r0")
+    assert _value(m, "kv_disk_errors_total", reason="checksum") == 0  # exported at 0
+    m.observe_disk(DiskReport(4096, 2, {"checksum": 1}, [0.002], [0.01, 0.02]), "r0")
+    m.observe_disk(DiskReport(8192, 3, {"checksum": 2}, [], [0.01]), "r0")
+    assert _value(m, "kv_disk_bytes", replica="r0") == 8192
+    assert _value(m, "kv_disk_blocks") == 3
+    assert _value(m, "kv_disk_errors_total", reason="checksum") == 3
+    assert _value(m, "kv_disk_read_seconds_count") == 1
+    assert _value(m, "kv_disk_write_seconds_count") == 3
+    out = _out("a", [1], prompt=300, cached=256)
+    out.disk_cached_tokens = 192
+    m.observe_output(out, time.monotonic(), "r0")
+    assert _value(m, "cache_hit_tokens_total", tier="disk") == 192
+    assert _value(m, "cache_hit_tokens_total", tier="pool") == 64
+    assert _value(m, "cached_tokens_total") == 256
 
 
 # ---------------------------------------------------------------- deploy/ files
@@ -270,6 +295,7 @@ _PROMQL_WORDS = {
     "replica",
     "policy",
     "reason",
+    "tier",
     "max",
     "instance",
 }

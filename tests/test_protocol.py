@@ -18,12 +18,16 @@ from common.messages import (
     SCHEDULER_FROM_WORKER,
     WORKER_INBOX,
     AbortReq,
+    BlockLoad,
+    BlockSave,
+    BlocksLoaded,
     CacheEvicted,
     ClientAbort,
     ClientError,
     ClientGenerate,
     ClientResult,
     DecodeBatch,
+    DiskReport,
     EmbedBatch,
     EmbedOut,
     EmbedReq,
@@ -32,6 +36,7 @@ from common.messages import (
     ExtendBatch,
     ExtendReq,
     GenerateReq,
+    LoadBatch,
     ModelIdentity,
     ReleaseBatch,
     ReleaseReq,
@@ -128,6 +133,14 @@ EXTEND_REQS = [
 RELEASES = [ReleaseReq(rid="x", flush=True), ReleaseReq(rid="y", flush=False)]
 IDENTITY = ModelIdentity(model_type="qwen3", vocab_size=512, digest="ab" * 32)
 
+DISK = DiskReport(
+    bytes=4096,
+    blocks=2,
+    errors={"checksum": 1},
+    read_seconds=[0.001],
+    write_seconds=[0.5],
+    dropped=["ab" * 16],
+)
 EXAMPLES: dict[type, list] = {
     GenerateReq: [
         GenerateReq(rid="g1", input_ids=[1, 2, 3], sampling=SP_FULL),
@@ -195,7 +208,22 @@ EXAMPLES: dict[type, list] = {
             worker_drafts=True,
         ),
     ],
-    ReleaseBatch: [ReleaseBatch(step=8, release=RELEASES), ReleaseBatch(step=9, release=[])],
+    ReleaseBatch: [
+        ReleaseBatch(step=8, release=RELEASES),
+        ReleaseBatch(step=9, release=[]),
+        ReleaseBatch(
+            step=10,
+            release=[],
+            save=[BlockSave("ab" * 16, "cd" * 16, [1, 2], [7, 8])],
+            touch=["ef" * 16],
+        ),
+    ],
+    LoadBatch: [
+        LoadBatch(step=11, loads=[BlockLoad("ab" * 16, 1, [9])], release=RELEASES),
+        LoadBatch(step=12, loads=[]),
+    ],
+    BlocksLoaded: [BlocksLoaded(step=11, loaded=1, disk=DISK), BlocksLoaded(step=12, loaded=0)],
+    DiskReport: [DISK, DiskReport(bytes=0, blocks=0)],
     EmbedReq: [EmbedReq(rid="e", inputs=[[1, 2, 3], [4]])],
     EmbedOut: [EmbedOut(rid="e", embeddings=[b"\x00\x00\x80?", b""], prompt_tokens=4)],
     EmbedBatch: [EmbedBatch(step=10, rows=[EmbedRow("e", 0, [1, 2, 3]), EmbedRow("e", 1, [4])])],

@@ -17,10 +17,12 @@ from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
     WORKER_INBOX,
+    BlocksLoaded,
     DecodeBatch,
     EmbedBatch,
     EmbedResult,
     ExtendBatch,
+    LoadBatch,
     ReleaseBatch,
     StepResult,
     WorkerError,
@@ -51,6 +53,7 @@ def run_worker(
     from worker_mlx.buffer_cache import BufferCacheBound
     from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
     from worker_mlx.embed_pass import load_embedder
+    from worker_mlx.kv_disk import open_tier
     from worker_mlx.loader import load_runner
     from worker_mlx.memory import StepGuard, apply_test_limits
 
@@ -68,6 +71,9 @@ def run_worker(
         ready.embedding_dim = embedder.dim
         ready.embedding_normalized = embedder.pooling.normalize
     ready.generates = not getattr(runner.model, "headless", False)
+    disk = open_tier(args, runner.pool, runner.states is not None)
+    if disk is not None:
+        ready.disk_blocks, ready.disk_block_tokens = disk.store.keys(), disk.block_tokens
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
@@ -82,26 +88,32 @@ def run_worker(
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
-    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard, embedder)
+    serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard, embedder, disk)
 
 
 def serve(
     engine, inbox, outbox, trace: Trace, after_step=lambda: None, forward=None, probe=None,
-    guard=None, embedder=None,
+    guard=None, embedder=None, disk=None,
 ) -> None:  # fmt: skip
     """`engine`: the runner, or the Verifier around it (its `runner`) that the loader
     built; `outbox` None: a rank > 0, which answers nobody; `forward(frame)`: rank 0's fan-out
     of every valid frame to the other ranks, before it runs the frame itself; `probe`: a
     distributed worker's CollectiveProbe (a rank of a group: a failed step ends it, see
     `execute`); `guard`: the memory.StepGuard checked before each step; `embedder`:
-    the embed_pass.Embedder that answers EmbedBatch (None: refused)."""
+    the embed_pass.Embedder that answers EmbedBatch (None: refused); `disk`: the
+    kv_disk.DiskTier (--kv-disk-dir), which saves and loads blocks and reports."""
     import zmq
 
     watch = ParentWatch()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     while True:
-        if not poller.poll(1000):
+        if disk is not None and outbox is not None:
+            for answer in disk.install_ready():  # blocks read meanwhile, between steps
+                answer.disk = disk.report()
+                outbox.send(encode(answer))
+        loading = disk is not None and disk.loading
+        if not poller.poll(5 if loading else 1000):
             if not watch.parent_alive():
                 logger.info("parent process gone; exiting")
                 return
@@ -120,11 +132,13 @@ def serve(
             forward(frame)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if engine.runner.lookahead.has_step else []))
-        reply = execute(engine, msg, probe is not None, guard, embedder)
+        reply = execute(engine, msg, probe is not None, guard, embedder, disk)
         trace("done", step)
         if reply is not None and outbox is not None:
             if probe is not None and isinstance(reply, StepResult):
                 reply.collective_seconds = probe.take()
+            if disk is not None and not isinstance(reply, WorkerError):
+                reply.disk = disk.report()
             outbox.send(encode(reply))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead
@@ -133,8 +147,8 @@ def serve(
 
 
 def execute(
-    engine, msg, group: bool = False, guard=None, embedder=None
-) -> StepResult | EmbedResult | WorkerError | None:
+    engine, msg, group: bool = False, guard=None, embedder=None, disk=None
+) -> StepResult | EmbedResult | BlocksLoaded | WorkerError | None:
     """The step's result, or the error it is answered with. In a group, only a descriptor
     the checks refuse (ValueError, raised alike on every rank before any collective) is
     answered: any other failure (a peer lost mid-collective) may have left the ranks'
@@ -143,6 +157,15 @@ def execute(
     try:
         if isinstance(msg, ReleaseBatch):
             engine.release(msg.release)
+            if disk is not None:
+                disk.save(msg.save)  # flushed just now; no later descriptor ran yet
+                disk.store.touch(msg.touch)
+            return None
+        if isinstance(msg, LoadBatch):
+            engine.release(msg.release)
+            if disk is None:
+                return BlocksLoaded(msg.step, 0)
+            disk.submit(msg.step, msg.loads)  # answered once read (serve's loop)
             return None
         if isinstance(msg, EmbedBatch):  # no KV: the engine and its pool are not involved
             if embedder is None:

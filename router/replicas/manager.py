@@ -31,6 +31,7 @@ from common.cache_salt import salted_key
 from common.messages import (
     AbortReq,
     CacheEvicted,
+    DiskReport,
     EmbedOut,
     EmbedReq,
     GenerateReq,
@@ -155,6 +156,9 @@ class RouterManager:
                 self.metrics.observe_stats(msg, replica.id)
         elif isinstance(msg, CacheEvicted):
             self.policy.evicted(replica, msg.paths)
+        elif isinstance(msg, DiskReport):
+            if self.metrics:
+                self.metrics.observe_disk(msg, replica.id)
         elif isinstance(msg, SchedulerReady):
             self._replica_ready(replica, msg)
         elif isinstance(msg, WorkerHung):

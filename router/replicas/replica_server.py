@@ -39,6 +39,7 @@ from common.messages import (
     REPLICA_INBOX,
     AbortReq,
     CacheEvicted,
+    DiskReport,
     EmbedOut,
     EmbedReq,
     GenerateReq,
@@ -149,7 +150,7 @@ class ReplicaServer:
             peer = self.owner.pop(msg.rid, None)
             if peer is not None:
                 self._send(peer, frame)
-        elif isinstance(msg, (SchedulerStats, CacheEvicted)):  # every router's concern
+        elif isinstance(msg, (SchedulerStats, CacheEvicted, DiskReport)):  # every router's
             for peer in self.routers:
                 self._send(peer, frame)
         elif isinstance(msg, SchedulerReady):

@@ -1,0 +1,113 @@
+"""A restarted server's first request of an old session, from the disk tier, against a
+cold prefill of the same length (issue 31's target: TTFT <= 0.2x the cold one).
+
+    python -m benchmarks.kv_disk_restart --preset small --prompt-len 8192
+
+Server 1 (`--kv-disk-dir` in a fresh directory) runs a session's turn: a prompt of
+`--prompt-len` random tokens and one output token; once its blocks are on disk it is
+stopped. Server 2, on the same directory, gets the session's next turn (that turn plus
+`--new-tokens` more), then a cold prompt of the same length with other tokens. Each
+request asks for one token, so its latency is its time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.soak import save_record, start_server
+
+
+def _first_token(url: str, prompt: list[int]) -> tuple[float, int, list[int]]:
+    """(seconds, cached tokens, token ids) of a one-token greedy completion."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    started = time.monotonic()
+    res = httpx.post(url + "/v1/completions", json=body, timeout=3600).json()
+    took = time.monotonic() - started
+    cached = res["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return took, cached, res["choices"][0]["token_ids"]
+
+
+def _wait_blocks(kv_dir: Path, n: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(kv_dir.glob("*/blocks/*/*.safetensors"))) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {n} blocks written under {kv_dir}")
+        time.sleep(0.2)
+
+
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    session = [rng.randrange(3, 500) for _ in range(args.prompt_len)]
+    kv_dir = Path(tempfile.mkdtemp(prefix="kv-disk-bench-"))
+    flags = f"{args.server_args} --kv-disk-dir {kv_dir} --kv-disk-block-tokens {args.block}"
+    model = args.model_path
+    if model is None:
+        from common.tiny_model import ensure_tiny_model
+
+        model = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset=args.preset))
+    try:
+        server, _, log1, _ = start_server(model, flags, "kv-disk-1")
+        try:
+            cold1, _, out = _first_token(server.url, session)
+            _wait_blocks(kv_dir, args.prompt_len // args.block)
+        finally:
+            server.stop()
+        turn = session + out + [rng.randrange(3, 500) for _ in range(args.new_tokens)]
+        other = [rng.randrange(3, 500) for _ in range(len(turn))]
+        server, _, log2, _ = start_server(model, flags, "kv-disk-2")
+        try:
+            disk, cached, _ = _first_token(server.url, turn)
+            cold, _, _ = _first_token(server.url, other)
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(kv_dir, ignore_errors=True)
+    return {
+        "first_server_cold_ttft_s": cold1, "restart_ttft_s": disk, "cold_ttft_s": cold,
+        "ratio": disk / cold, "cached_tokens": cached, "prompt_tokens": len(turn),
+        "logs": [str(log1), str(log2)],
+    }  # fmt: skip
+
+
+def report(r: dict) -> str:
+    return (
+        f"restarted server, next turn of a {r['prompt_tokens']}-token session: TTFT "
+        f"{r['restart_ttft_s']:.3f} s with {r['cached_tokens']} tokens from disk; a cold "
+        f"prompt of that length: {r['cold_ttft_s']:.3f} s; ratio {r['ratio']:.3f} "
+        f"(target <= 0.2)"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_disk_restart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--preset", default="small", help="tiny-model preset (without --model-path)")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--new-tokens", type=int, default=64, help="the next turn's new tokens")
+    p.add_argument("--block", type=int, default=256, help="--kv-disk-block-tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-args", default="--max-total-tokens 20000")
+    p.add_argument("--out", default="bench_results", help="directory for the JSON record")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    text = report(result)
+    print(text)
+    save_record(args.out, "kv_disk_restart", {"args": vars(args), "report": text, **result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The disk tier on the scheduler's side: the radix tree's lower tier.
+
+The scheduler knows which blocks the worker's store holds (their keys: reported in
+WorkerReady at start-up, added as it asks for saves, removed as the worker reports them
+dropped) and, from a prompt's block keys, how far the disk continues a prompt past its
+pool match. Two things cross to the worker:
+
+- **saves**: when a request finishes, its whole blocks not on disk yet are named with
+  the trie's slots for them (`BlockSave`) in a ReleaseBatch sent before any later
+  descriptor, so the worker copies them out before a slot can be reused. Every prefix
+  the trie holds from a finished request is thus on disk before eviction can take it
+  (write-through at finish is also the write-back).
+- **loads**: before a prefill, a waiting prompt whose match runs past the pool into the
+  disk tier gets fresh slots for those blocks and a LoadBatch; the blocks the worker
+  loaded go into the trie as cached tokens, and the prompt's admission then matches
+  them like any other prefix (the rest is freed and recomputed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.kv_store.block_keys import block_keys, root_key
+from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
+from scheduler.cache import KVCacheManager
+from scheduler.request import Req
+
+MAX_LOAD_TOKENS = 1 << 16  # per LoadBatch: a longer load goes in several
+PREFETCH_SHARE = 2  # loads ahead of admission take at most 1 / this of the pool
+
+
+@dataclass
+class PlannedLoad:
+    """One prompt's load: its pool match (`prefix` slots) and the blocks after it."""
+
+    req: Req
+    tokens: list[int]  # the prompt's tokens to the end of its last block to load
+    prefix: list[int]
+    loads: list[BlockLoad]
+
+
+class DiskIndex:
+    def __init__(self, keys: list[str], block_tokens: int):
+        self.keys = set(keys)
+        self.block_tokens = block_tokens
+        self.saves: list[BlockSave] = []  # for the next ReleaseBatch
+        self.touches: list[str] = []  # keys used again, for the next ReleaseBatch
+        self.reports: list[DiskReport] = []  # for the router's metrics
+        self.writable = True  # the worker's store writes (else nothing is asked to save)
+        self.in_flight = 0  # tokens of LoadBatches not answered yet
+
+    # ------------------------------------------------------------ saves
+
+    def save_finished(self, kv: KVCacheManager, req: Req, tokens: list[int]) -> None:
+        """After `req` released `tokens` into the trie: queue its blocks not on disk."""
+        if not self.writable:
+            return
+        B = self.block_tokens
+        keys = block_keys(tokens, req.namespace, B)
+        missing = [i for i, key in enumerate(keys) if key not in self.keys]
+        # the blocks it used again are the disk's most recent too: a prefix the pool keeps
+        # hot must not age out of the disk meanwhile
+        self.touches += [key for key in keys if key in self.keys]
+        if not missing:
+            return
+        slots = kv.tree.match_prefix(tokens[: len(keys) * B], req.namespace).slot_ids
+        if len(slots) < len(keys) * B:
+            return  # not all in the trie (--disable-radix-cache): nothing to copy from
+        for i in missing:
+            parent = keys[i - 1] if i else root_key(req.namespace)
+            piece = slice(i * B, (i + 1) * B)
+            self.saves.append(BlockSave(keys[i], parent, tokens[piece], slots[piece]))
+            self.keys.add(keys[i])  # one writer per block: later finishes do not ask again
+
+    def take_saves(self) -> tuple[list[BlockSave], list[str]]:
+        out, touched, self.saves, self.touches = self.saves, self.touches, [], []
+        return out, touched
+
+    # ------------------------------------------------------------ loads
+
+    def plan(self, waiting: list[Req], kv: KVCacheManager, reserve: int = 0) -> list[PlannedLoad]:
+        """Loads for waiting prompts (first admissions) that the disk continues, leaving
+        `reserve` slots obtainable beside each prompt's own. A prompt is done with once
+        planned or found to have no block on disk; one whose blocks another planned
+        load brings, or that finds no room, is looked at again later."""
+        planned: list[PlannedLoad] = []
+        taken: set[str] = set()
+        # loaded ahead of admission, the blocks are evictable cache: a long queue must not
+        # load more than a share of the pool, or its loads would evict each other
+        ahead = self.in_flight + sum(r.disk_tokens for r in waiting if r.cached_tokens < 0)
+        budget = min(MAX_LOAD_TOKENS, kv.capacity // PREFETCH_SHARE - ahead)
+        for req in waiting:
+            if req.disk_checked or req.rid in kv.req_to_token:
+                continue
+            # the first load may take what its prompt needs (the pool holds the prompt)
+            alone = not planned and ahead == 0
+            limit = MAX_LOAD_TOKENS if alone else budget
+            got = self._plan_one(req, kv, taken, limit, reserve)
+            if got is None:
+                continue
+            planned.append(got)
+            need = sum(len(x.slots) for x in got.loads)
+            budget -= need
+            self.in_flight += need
+        return planned
+
+    def _plan_one(self, req: Req, kv: KVCacheManager, taken: set[str], budget: int, reserve: int):
+        B = self.block_tokens
+        head = req.fill_ids[:-1]  # at least one token is computed
+        if req.disk_keys is None:  # hashed once: a prompt may be looked at again
+            req.disk_keys = block_keys(head, req.namespace, B)
+        keys = req.disk_keys
+        m = kv.tree.match_prefix(head, req.namespace)
+        pooled = len(m.slot_ids)
+        blocks = []
+        for k in range(pooled // B, len(keys)):
+            if keys[k] not in self.keys:
+                break
+            blocks.append(k)
+        if any(keys[k] in taken for k in blocks):
+            return None  # another prompt of this round loads them
+        if not blocks:
+            req.disk_checked = True
+            return None
+        end = (blocks[-1] + 1) * B
+        need = end - pooled
+        if need > budget or kv.budget() < len(req.fill_ids) - pooled + reserve:
+            return None
+        kv.tree.inc_lock_ref(m.last_node)  # the pool part must survive the allocation
+        slots = kv.alloc(need)
+        kv.tree.dec_lock_ref(m.last_node)
+        if slots is None:
+            return None
+        req.disk_checked = True
+        loads, at = [], 0
+        for k in blocks:
+            offset = max(pooled - k * B, 0)
+            loads.append(BlockLoad(keys[k], offset, slots[at : at + B - offset]))
+            at += B - offset
+        taken.update(keys[k] for k in blocks)
+        return PlannedLoad(req, head[:end], m.slot_ids, loads)
+
+    def loaded(self, kv: KVCacheManager, planned: list[PlannedLoad], answer) -> None:
+        """The worker's answer (BlocksLoaded, or a WorkerError: nothing loaded): loaded
+        blocks into the trie, the rest's slots freed and their keys forgotten."""
+        left = answer.loaded if isinstance(answer, BlocksLoaded) else 0
+        refused = isinstance(answer, BlocksLoaded)  # the first block not loaded was refused
+        self.in_flight -= sum(len(x.slots) for p in planned for x in p.loads)
+        for plan in planned:
+            n = min(left, len(plan.loads))
+            left -= n
+            slots = [s for x in plan.loads[:n] for s in x.slots]
+            kv.allocator.free([s for x in plan.loads[n:] for s in x.slots])
+            if refused and n < len(plan.loads):
+                self.keys.discard(plan.loads[n].key)  # missing or damaged: not asked again
+                refused = False
+            if not slots:
+                continue
+            tokens = plan.tokens[: len(plan.prefix) + len(slots)]
+            done = kv.tree.insert(tokens, plan.prefix + slots, plan.req.namespace)
+            kv.allocator.free((plan.prefix + slots)[len(plan.prefix) : done])
+            plan.req.disk_tokens = len(slots)
+
+    # ------------------------------------------------------------ reports
+
+    @staticmethod
+    def log_field(reqs: list[Req]) -> str:
+        """`#disk-cached-token: N, ` for the per-batch log: of #cached-token, what the
+        tier loaded for this batch's first admissions."""
+        n = 0
+        for req in reqs:
+            if req.cached_tokens >= 0 and not req.disk_logged:
+                req.disk_logged = True
+                n += min(req.disk_tokens, req.cached_tokens)
+        return f"#disk-cached-token: {n}, "
+
+    def on_report(self, report: DiskReport | None) -> None:
+        if report is None:
+            return
+        self.keys.difference_update(report.dropped)
+        self.keys.update(report.added)
+        self.writable = report.writable
+        self.reports.append(report)
+
+    def take_reports(self) -> list[DiskReport]:
+        out, self.reports = self.reports, []
+        return out

@@ -1,0 +1,101 @@
+"""The scheduler's side of the disk tier (scheduler/disk_tier.py) over a real trie and
+allocator: a finished request's blocks are named with the trie's slots; a load brings
+the blocks after the pool match, keeps the slot accounting whole when the worker loads
+only some, and forgets refused and dropped keys."""
+
+from __future__ import annotations
+
+from common.kv_store.block_keys import block_keys, root_key
+from common.messages import BlocksLoaded, DiskReport, SamplingParams, WorkerError
+from scheduler.cache import KVCacheManager
+from scheduler.disk_tier import DiskIndex
+from scheduler.request import Req
+
+B = 8
+
+
+def _finished(kv: KVCacheManager, disk: DiskIndex, rid: str, tokens: list[int]) -> None:
+    """A request whose prompt `tokens` ran and finished (its KV goes to the trie)."""
+    req = Req(rid, tokens, SamplingParams(max_new_tokens=1))
+    kv.admit(req, len(tokens))
+    kv.release(req, keep=True)
+    disk.save_finished(kv, req, tokens)
+
+
+def _check(kv: KVCacheManager) -> None:
+    kv.check_invariants([])
+
+
+def test_finished_blocks_are_named_with_the_trie_slots_once():
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex([], B)
+    tokens = list(range(100, 120))  # two whole blocks and a tail
+    _finished(kv, disk, "a", tokens)
+    saves, touched = disk.take_saves()
+    assert touched == []
+    keys = block_keys(tokens, 0, B)
+    assert [s.key for s in saves] == keys
+    assert saves[0].parent == root_key(0) and saves[1].parent == keys[0]
+    assert saves[1].tokens == tokens[B : 2 * B]
+    assert saves[0].slots + saves[1].slots == kv.tree.match_prefix(tokens).slot_ids[: 2 * B]
+    _finished(kv, disk, "b", tokens + [7])  # the same blocks: not asked again, touched
+    assert disk.take_saves() == ([], keys)
+
+
+def test_load_after_a_partial_pool_match_and_a_refused_block():
+    tokens = list(range(200, 226))  # three whole blocks (the load leaves the last token)
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex(keys, B)
+    kv.tree.insert(tokens[:5], kv.allocator.alloc(5))  # the pool holds 5 tokens of block 0
+    req = Req("r", tokens, SamplingParams(max_new_tokens=4))
+    [plan] = disk.plan([req], kv)
+    assert [(x.key, x.offset, len(x.slots)) for x in plan.loads] == [
+        (keys[0], 5, 3), (keys[1], 0, B), (keys[2], 0, B),
+    ]  # fmt: skip
+    assert disk.plan([req], kv) == []  # looked at once
+    disk.loaded(kv, [plan], BlocksLoaded(1, loaded=2))  # block 2 was refused
+    _check(kv)
+    assert len(kv.tree.match_prefix(tokens).slot_ids) == 2 * B
+    assert req.disk_tokens == 2 * B - 5
+    assert keys[2] not in disk.keys and keys[1] in disk.keys
+
+
+def test_failed_load_frees_everything_and_dropped_keys_are_forgotten():
+    tokens = list(range(300, 320))
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex(keys, B)
+    free = kv.allocator.available_size()
+    planned = disk.plan([Req("r", tokens, SamplingParams(max_new_tokens=4))], kv)
+    disk.loaded(kv, planned, WorkerError(1, "load failed"))
+    assert kv.allocator.available_size() == free
+    _check(kv)
+    disk.on_report(DiskReport(0, 0, dropped=[keys[0]]))
+    assert keys[0] not in disk.keys and disk.take_reports()
+
+
+def test_two_prompts_of_one_prefix_load_it_once():
+    shared = list(range(400, 416))
+    keys = block_keys(shared, 0, B)
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex(keys, B)
+    a = Req("a", shared + [1, 2], SamplingParams(max_new_tokens=4))
+    b = Req("b", shared + [3, 4], SamplingParams(max_new_tokens=4))
+    planned = disk.plan([a, b], kv)
+    assert [p.req for p in planned] == [a] and not b.disk_checked
+    disk.loaded(kv, planned, BlocksLoaded(1, loaded=2))
+    assert disk.plan([b], kv) == []  # b now matches them in the pool
+    assert len(kv.tree.match_prefix(b.input_ids).slot_ids) == 2 * B
+    _check(kv)
+
+
+def test_prefetch_takes_at_most_half_the_pool_ahead_of_admission():
+    a_tokens, b_tokens = list(range(500, 525)), list(range(600, 625))  # 3 blocks each
+    keys = block_keys(a_tokens[:-1], 0, B) + block_keys(b_tokens[:-1], 0, B)
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex(keys, B)
+    a = Req("a", a_tokens, SamplingParams(max_new_tokens=4))
+    b = Req("b", b_tokens, SamplingParams(max_new_tokens=4))
+    planned = disk.plan([a, b], kv)
+    assert [p.req for p in planned] == [a] and not b.disk_checked  # 24 + 24 > 64 / 2
+    assert disk.plan([a, b], kv) == []  # a's load is in flight
+    disk.loaded(kv, planned, BlocksLoaded(1, loaded=3))
+    assert disk.plan([a, b], kv) == []  # a's blocks wait for its admission
+    a.cached_tokens = 24  # admitted
+    assert [p.req for p in disk.plan([b], kv)] == [b]

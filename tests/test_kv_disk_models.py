@@ -1,0 +1,180 @@
+"""The disk tier across model kinds and limits: a sliding-window model, n-gram
+speculation and an int8 pool serve an evicted prefix from disk with the same tokens; a
+hybrid (recurrent) model does not use the tier (one warning) and stays exact; a budget of
+a few blocks holds, also across a worker killed while it writes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import mlx_greedy
+from tests.test_kv_disk_e2e import (
+    BLOCK,
+    NEW,
+    POOL,
+    _block_files,
+    _complete,
+    _metrics,
+    _prompt,
+    _serve,
+    _wait_saved,
+)
+from worker_mlx.kv_disk import RESCAN_SECONDS
+
+pytestmark = pytest.mark.slow
+
+
+def _evict(server) -> None:
+    for seed in range(10, 13):  # each fills most of the pool
+        _complete(server, _prompt(seed, POOL - 40), 4)
+
+
+@pytest.mark.parametrize(
+    "arch, preset, flags",
+    [
+        ("mistral_swa", "tiny", []),
+        ("qwen3", "tiny", ["--speculative-algorithm", "ngram"]),
+        ("qwen3", "small", ["--kv-cache-dtype", "int8"]),  # head dim 64: one group
+    ],
+    ids=["sliding-window", "ngram", "int8"],
+)
+def test_evicted_prefix_from_disk_is_exact(tiny_arch, tmp_path, arch, preset, flags):
+    model = tiny_arch(arch, preset)
+    server = _serve(model, tmp_path / "log", tmp_path / "kv", *flags)
+    try:
+        p = _prompt(21)
+        cold, cached = _complete(server, p)
+        assert cached == 0
+        if "int8" not in flags:  # an int8 pool is compared with its own cold tokens
+            assert cold == mlx_greedy(model, p, NEW)
+        _wait_saved(tmp_path / "kv", p + cold[:-1])
+        _evict(server)
+        again, cached = _complete(server, p)
+        assert again == cold and cached == 5 * BLOCK
+        assert "Traceback" not in server.log()
+    finally:
+        assert server.stop() == 0
+
+
+def test_hybrid_model_does_not_use_the_tier(tiny_arch, tmp_path):
+    model = tiny_arch("qwen3_next")
+    server = _serve(model, tmp_path / "log", tmp_path / "kv")
+    try:
+        p = _prompt(22)
+        out, _ = _complete(server, p)
+        assert out == mlx_greedy(model, p, NEW)
+        assert "--kv-disk-dir is ignored for this model: recurrent layers" in server.log()
+        assert _block_files(tmp_path / "kv") == {}
+    finally:
+        assert server.stop() == 0
+
+
+def _held(kv_dir) -> int:
+    return sum(f.stat().st_size for f in kv_dir.glob("*/blocks/*/*") if f.is_file())
+
+
+def test_small_budget_holds_and_a_killed_writer_serves_no_wrong_token(tiny_model, tmp_path):
+    kv_dir = tmp_path / "kv"
+    budget = 150 << 10  # about four blocks of the tiny model
+    server = _serve(tiny_model, tmp_path / "log", kv_dir, "--kv-disk-budget", str(budget))
+    try:
+        block = 0
+        for seed in range(30, 34):
+            p = _prompt(seed)
+            assert _complete(server, p)[0] == mlx_greedy(tiny_model, p, NEW)
+            files = _block_files(kv_dir)
+            if files:
+                block = max(block, max(f.stat().st_size for f in files.values()))
+            assert _held(kv_dir) <= budget + block  # a temporary file at most
+        time.sleep(1)
+        assert 0 < _held(kv_dir) <= budget
+        assert 0 < _metrics(server)["radix_mlx_kv_disk_bytes"] <= budget
+        p = _prompt(35)
+        out, _ = _complete(server, p)
+        os.kill(server.child("worker"), signal.SIGKILL)  # while its blocks are written
+        _wait_healthy(server)
+        again, _ = _complete(server, p)
+        assert again == out == mlx_greedy(tiny_model, p, NEW)
+    finally:
+        assert server.stop() == 0
+
+
+def _wait_healthy(server, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    time.sleep(0.5)
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not come back")
+
+
+def test_replicas_share_the_directory(tiny_model, tmp_path):
+    """--dp-size 2, round robin: a prompt one replica computed is served from disk by the
+    other, which learnt of its blocks by rescanning the directory."""
+    kv_dir = tmp_path / "kv"
+    flags = ("--dp-size", "2", "--routing-policy", "round_robin")
+    server = _serve(tiny_model, tmp_path / "log", kv_dir, *flags)
+    try:
+        _wait_replicas(server, 2)
+        p = _prompt(40)
+        out, _ = _complete(server, p)  # r0
+        _wait_saved(kv_dir, p + out[:-1])
+        time.sleep(RESCAN_SECONDS + 1.5)
+        _complete(server, _prompt(41, 20))  # r1: its reply brings the rescan's news
+        _complete(server, _prompt(42, 20))  # r0
+        again, cached = _complete(server, p)  # r1, whose pool never held p
+        assert again == out == mlx_greedy(tiny_model, p, NEW)
+        assert cached == 5 * BLOCK
+        metrics = _metrics(server)
+        assert metrics['radix_mlx_cache_hit_tokens_total{replica="r1",tier="disk"}'] == 5 * BLOCK
+    finally:
+        assert server.stop() == 0
+
+
+def _wait_replicas(server, n: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [r["state"] for r in httpx.get(server.url + "/health").json()["replicas"]]
+        if states.count("ready") == n:
+            return
+        time.sleep(0.3)
+    raise AssertionError("the replicas did not all start")
+
+
+def test_concurrent_sessions_on_a_small_pool_stay_exact(tiny_model, tmp_path):
+    """Concurrent sessions on a pool that must evict and retract: loads run while other
+    requests decode, and every output is mlx-lm's (--debug-invariants checks the slot
+    accounting after every step and load)."""
+    import concurrent.futures
+
+    # room for about three requests at once: loads overlap other requests' decode steps
+    server = _serve(tiny_model, tmp_path / "log", tmp_path / "kv", "--max-total-tokens", "1200")
+    try:
+        bases = [_prompt(50 + i, 200 + 40 * i) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            firsts = list(pool.map(lambda p: _complete(server, p, 24)[0], bases))
+            for base, out in zip(bases, firsts):
+                _wait_saved(tmp_path / "kv", base + out[:-1])
+            for seed in (80, 81):  # the pool forgets the first turns
+                _complete(server, _prompt(seed, 1100), 4)
+            turns = [b + o + _prompt(60 + i, 16) for i, (b, o) in enumerate(zip(bases, firsts))]
+            load = turns + [_prompt(70 + i, 300) for i in range(4)]
+            seconds = list(pool.map(lambda p: _complete(server, p, 48)[0], load))
+        for prompt, out in zip(bases, firsts):
+            assert out == mlx_greedy(tiny_model, prompt, 24)
+        for prompt, out in zip(load, seconds):
+            assert out == mlx_greedy(tiny_model, prompt, 48)
+        assert _metrics(server)['radix_mlx_cache_hit_tokens_total{tier="disk"}'] > 0
+        log = server.log()
+        assert "Traceback" not in log and "slots lost" not in log and "two owners" not in log
+    finally:
+        assert server.stop() == 0
