@@ -166,12 +166,15 @@ class Harness:
         for rid, top in zip(res.rids, res.top_logprobs or []):
             self.top.setdefault(rid, []).append(top)
 
-    def decode(self, rids: list[str] | None = None, release: list[ReleaseReq] = ()) -> None:
+    def decode(
+        self, rids: list[str] | None = None, release: list[ReleaseReq] = (), lookahead=False
+    ) -> None:
         gone = {r.rid for r in release}
         rids = [r for r in self.running if r not in gone] if rids is None else rids
         locs = self.alloc.alloc(len(rids))
         self.step += 1
-        res = self.worker.decode(DecodeBatch(self.step, list(rids), locs, list(release)))
+        batch = DecodeBatch(self.step, list(rids), locs, list(release), lookahead=lookahead)
+        res = self.worker.decode(batch)
         assert res.rids == rids
         self._gone(release)
         self._record_top(res)

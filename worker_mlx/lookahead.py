@@ -53,8 +53,8 @@ class Lookahead:
     def step_ahead(self, buffer: DecodeBuffer, rids: list[str], compute) -> None:
         """Compute the step of `rids` ahead on `buffer`: `compute()` writes its column and
         returns its tokens."""
-        column = buffer.idx
-        self.bet = _Step(buffer, rids, compute(), column, buffer.recurrent.state)
+        column, state = buffer.idx, buffer.recurrent.state  # before `compute` replaces it
+        self.bet = _Step(buffer, rids, compute(), column, state)
 
     def keep(self, buffer: DecodeBuffer, slots: list[int]) -> None:
         """Keep the finished single row's buffer for the next descriptor."""
