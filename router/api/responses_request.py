@@ -278,14 +278,18 @@ def _message(item: dict, where: str) -> dict:
         raise RequestError(
             f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}", param=f"{where}.role"
         )
-    content = item.get("content")
-    if isinstance(content, list):
-        content = "".join(_text_part(p, f"{where}.content[{j}]") for j, p in enumerate(content))
-    elif not isinstance(content, str):
-        raise RequestError(f"{where}.content must be a string or a list of text parts",
-                           param=f"{where}.content")  # fmt: skip
+    content = _text(item.get("content"), f"{where}.content")
     # developer messages are system text: chat templates know no developer role
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _text(value, where: str) -> str:
+    """A message's content or a call's output: a string, or text parts joined."""
+    if isinstance(value, list):
+        return "".join(_text_part(p, f"{where}[{j}]") for j, p in enumerate(value))
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string or a list of text parts", param=where)
+    return value
 
 
 def _text_part(part, where: str) -> str:
@@ -314,10 +318,5 @@ def _function_call(item: dict, where: str) -> dict:
 def _call_output(item: dict, where: str) -> dict:
     if not isinstance(item.get("call_id"), str):
         raise RequestError(f"{where}.call_id must be a string", param=f"{where}.call_id")
-    output = item.get("output")
-    if isinstance(output, list):
-        output = "".join(_text_part(p, f"{where}.output[{j}]") for j, p in enumerate(output))
-    elif not isinstance(output, str):
-        raise RequestError(f"{where}.output must be a string or a list of text parts",
-                           param=f"{where}.output")  # fmt: skip
+    output = _text(item.get("output"), f"{where}.output")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
