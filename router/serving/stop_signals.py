@@ -10,6 +10,13 @@ handler (`loop.add_signal_handler`: its C handler writes the number to a wakeup 
 runs the callback as an ordinary loop callback. Once the loop is done, the signals are
 held again: the clean-up that follows is bounded (the children's STOP_TIMEOUT) and must
 not be cut short by a default action.
+
+Blocking holds a signal only for the threads that block it, and a process-directed
+signal goes to any thread that does not: one that existed before the hold (OpenBLAS's
+pool, started when mlx is imported) takes it, and with the default action there it
+killed the process (status -15) while it loaded the model. So while the signals are
+held, their handler also only notes them (an append takes no lock), and `on_loop`
+delivers what it noted.
 """
 
 from __future__ import annotations
@@ -19,12 +26,19 @@ import signal
 from collections.abc import Callable
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_noted: list[int] = []  # stop signals a thread that did not block them took while held
+
+
+def _note(signum: int, _frame) -> None:
+    _noted.append(signum)
 
 
 def hold_stop_signals() -> None:
     """Block SIGTERM and SIGINT: they stay pending until `on_loop` takes them. Children
     spawned meanwhile inherit the mask (`common.child_process.setup_child` unblocks)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _note)
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int], None]) -> None:
@@ -32,6 +46,8 @@ def on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[int], None]) ->
     while they were held arrives now."""
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, callback, sig)
+    while _noted:
+        loop.call_soon(callback, _noted.pop(0))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
