@@ -7,6 +7,8 @@ agent model (tests/scripted_agent_model.py: offered `get_weather`, it calls it w
 - LangChain `ChatOpenAI`, with `use_responses_api=True` and without: a tool round trip,
   and structured output;
 - LiteLLM: chat (a tool round trip), the Anthropic route and `litellm.responses()`;
+- instructor: a Pydantic answer through a forced tool call and a JSON schema on chat,
+  and through the Responses API (which sends both a forced call and a text.format);
 - the README's "Use it with your agent" Python blocks, as written, pointed at the server.
 
 The versions are the `clients` extra's, pinned in pyproject.toml.
@@ -20,7 +22,7 @@ import os
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from tests.cli_agents import SERVED, readme_settings
 from tests.scripted_agent_model import ANSWER, SCRIPTS
@@ -56,7 +58,10 @@ WEATHER_TOOL = {
 
 
 class Trip(BaseModel):
-    """A structured answer whose every value the grammar bounds (the model is random)."""
+    """A structured answer whose every value the grammar bounds (the model is random): with
+    other keys allowed, a random model may write one key forever."""
+
+    model_config = ConfigDict(extra="forbid")
 
     city: Literal["Paris", "Rome"]
     days: Literal[1, 2, 3]
@@ -112,6 +117,22 @@ def test_langchain_tools_and_structured_output(server, responses_api):
     answer = llm.bind_tools([get_weather]).invoke(history)
     assert answer.text == ANSWER and not answer.tool_calls
     trip = llm.with_structured_output(Trip).invoke("Plan a short trip.")
+    assert isinstance(trip, Trip)
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA", "RESPONSES_TOOLS"])
+def test_instructor_returns_a_validated_model(server, mode):
+    import instructor
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
+    client = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+    ask = dict(model="local", response_model=Trip, max_retries=0, temperature=0)
+    if mode == "RESPONSES_TOOLS":
+        trip = client.responses.create(**ask, max_output_tokens=64, input="Plan a short trip.")
+    else:
+        messages = [{"role": "user", "content": "Plan a short trip."}]
+        trip = client.chat.completions.create(**ask, max_tokens=64, messages=messages)
     assert isinstance(trip, Trip)
 
 

@@ -11,7 +11,6 @@ from router.api.chat_format import ChatFormat
 from router.api.chat_output import OutputSplitter, finish_reason
 from router.api.constraints import after_thinking, check_tools, tool_choice, tool_grammar
 from router.api.generation import Tokenization
-from router.request_error import RequestError
 
 
 @dataclass
@@ -46,9 +45,7 @@ def plan_chat(
         max_tokens = tok.fit(len(ids), max_tokens)
         if not think_budget or think_budget >= max_tokens:
             think_budget = max_tokens // 2
-    if forced:
-        if grammar:
-            raise RequestError("a tool_choice that forces a call takes no output format")
+    if forced:  # the output is the call: a text format (instructor sends one too) is moot
         grammar = tool_grammar(fmt, tools, forced, prompt.thinking, think_budget)
     elif prompt.thinking:
         grammar = after_thinking(fmt, grammar, think_budget)
