@@ -36,7 +36,14 @@ openblas:
 # them, into $(CLIENTS); Node from Debian when it is missing and we are root. Best effort:
 # without them tests/test_cli_agents.py skips.
 CLIENTS := .cache/clients
-clients: $(CLIENTS)/.installed
+clients: $(CLIENTS)/.installed $(CLIENTS)/instructor/.installed
+
+# instructor in a venv of its own: its jiter pin holds the openai SDK at an older release
+# than the one the project's tests use (tests/clients/instructor.txt).
+$(CLIENTS)/instructor/.installed: tests/clients/instructor.txt
+	@test -x $(CLIENTS)/instructor/bin/python || $(PYTHON) -m venv $(CLIENTS)/instructor
+	$(CLIENTS)/instructor/bin/python -m pip install -q -r tests/clients/instructor.txt \
+	  && touch $@ || echo "warning: could not install instructor; its test will be skipped"
 
 $(CLIENTS)/.installed: tests/clients/package.json tests/clients/package-lock.json
 	@if ! command -v npm >/dev/null && [ "$$(uname -s)" = "Linux" ] && [ "$$(id -u)" = "0" ]; then \

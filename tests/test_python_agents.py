@@ -7,8 +7,9 @@ agent model (tests/scripted_agent_model.py: offered `get_weather`, it calls it w
 - LangChain `ChatOpenAI`, with `use_responses_api=True` and without: a tool round trip,
   and structured output;
 - LiteLLM: chat (a tool round trip), the Anthropic route and `litellm.responses()`;
-- instructor: a Pydantic answer through a forced tool call and a JSON schema on chat,
-  and through the Responses API (which sends both a forced call and a text.format);
+- instructor (in a venv of its own, tests/clients/instructor.txt): a Pydantic answer
+  through a forced tool call and a JSON schema on chat, and through the Responses API
+  (which sends both a forced call and a text.format);
 - the README's "Use it with your agent" Python blocks, as written, pointed at the server.
 
 The versions are the `clients` extra's, pinned in pyproject.toml.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -34,6 +37,7 @@ ASK = "What is the weather in Paris?"
 WEATHER = "sunny, 21 C"
 CALL = SCRIPTS["get_weather"]
 TIMEOUT = 60  # seconds, for any one request
+INSTRUCTOR = Path(__file__).parent.parent / ".cache" / "clients" / "instructor" / "bin" / "python"
 
 
 def get_weather(city: str) -> str:
@@ -120,20 +124,14 @@ def test_langchain_tools_and_structured_output(server, responses_api):
     assert isinstance(trip, Trip)
 
 
+@pytest.mark.skipif(not INSTRUCTOR.exists(), reason="make clients installs instructor")
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA", "RESPONSES_TOOLS"])
 def test_instructor_returns_a_validated_model(server, mode):
-    import instructor
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=TIMEOUT)
-    client = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
-    ask = dict(model="local", response_model=Trip, max_retries=0, temperature=0)
-    if mode == "RESPONSES_TOOLS":
-        trip = client.responses.create(**ask, max_output_tokens=64, input="Plan a short trip.")
-    else:
-        messages = [{"role": "user", "content": "Plan a short trip."}]
-        trip = client.chat.completions.create(**ask, max_tokens=64, messages=messages)
-    assert isinstance(trip, Trip)
+    script = Path(__file__).parent / "clients" / "instructor_trip.py"
+    args = [str(INSTRUCTOR), str(script), server.url + "/v1", mode]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Trip.model_validate_json(done.stdout)
 
 
 def test_litellm_chat_anthropic_and_responses(server):
