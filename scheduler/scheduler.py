@@ -88,7 +88,10 @@ class Scheduler:
         self.disk = None
         self.loading: dict[int, list[PlannedLoad]] = {}  # LoadBatch step -> its loads
         if worker.disk_blocks is not None and not args.disable_radix_cache:
-            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens)
+            states = worker.num_state_slots > 0
+            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens, states)
+            if states:
+                self.kv.block_tokens = worker.disk_block_tokens
 
     # ------------------------------------------------------------ inputs
 
@@ -523,8 +526,9 @@ class Scheduler:
         return self.running + ([self.chunked] if self.chunked else [])
 
     def check_invariants(self) -> None:
-        loading = [s for ps in self.loading.values() for p in ps for x in p.loads for s in x.slots]
-        self.kv.check_invariants(self.holders(), loading)
+        loads = [x for ps in self.loading.values() for p in ps for x in p.loads]
+        states = [x.state_slot for x in loads if x.state_slot]
+        self.kv.check_invariants(self.holders(), [s for x in loads for s in x.slots], states)
 
     @property
     def busy(self) -> bool:

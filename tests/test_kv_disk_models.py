@@ -1,7 +1,7 @@
 """The disk tier across model kinds and limits: a sliding-window model, n-gram
-speculation and an int8 pool serve an evicted prefix from disk with the same tokens; a
-hybrid (recurrent) model does not use the tier (one warning) and stays exact; a budget of
-a few blocks holds, also across a worker killed while it writes."""
+speculation, an int8 pool and hybrid (recurrent: gated-delta, Mamba-2) models serve an
+evicted prefix from disk with the same tokens, the hybrids also after a restart; a budget
+of a few blocks holds, also across a worker killed while it writes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from common.kv_store.block_keys import block_keys, state_key
 from tests.conftest import mlx_greedy
 from tests.test_kv_disk_e2e import (
     BLOCK,
@@ -34,17 +35,31 @@ def _evict(server) -> None:
         _complete(server, _prompt(seed, POOL - 40), 4)
 
 
+def _wait_state_saved(kv_dir, tokens: list[int], timeout: float = 60) -> None:
+    """The state after the last whole block of `tokens` is on disk too (recurrent)."""
+    key = state_key(block_keys(tokens, 0, BLOCK)[-1])
+    deadline = time.monotonic() + timeout
+    while key not in _block_files(kv_dir):
+        assert time.monotonic() < deadline, "the state was not written"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize(
     "arch, preset, flags",
     [
         ("mistral_swa", "tiny", []),
         ("qwen3", "tiny", ["--speculative-algorithm", "ngram"]),
         ("qwen3", "small", ["--kv-cache-dtype", "int8"]),  # head dim 64: one group
+        ("qwen3_next", "tiny", []),  # gated-delta layers: their states come back too
+        ("granite4", "tiny", []),  # Mamba-2 layers
     ],
-    ids=["sliding-window", "ngram", "int8"],
+    ids=["sliding-window", "ngram", "int8", "hybrid-gated-delta", "hybrid-mamba2"],
 )
 def test_evicted_prefix_from_disk_is_exact(tiny_arch, tmp_path, arch, preset, flags):
+    """Cold, then evicted and served from disk; a recurrent model's state at the last
+    block end comes back with the blocks, also in a restarted server's next turn."""
     model = tiny_arch(arch, preset)
+    hybrid = arch in ("qwen3_next", "granite4")
     server = _serve(model, tmp_path / "log", tmp_path / "kv", *flags)
     try:
         p = _prompt(21)
@@ -53,23 +68,26 @@ def test_evicted_prefix_from_disk_is_exact(tiny_arch, tmp_path, arch, preset, fl
         if "int8" not in flags:  # an int8 pool is compared with its own cold tokens
             assert cold == mlx_greedy(model, p, NEW)
         _wait_saved(tmp_path / "kv", p + cold[:-1])
+        if hybrid:
+            _wait_state_saved(tmp_path / "kv", p[:-1])
         _evict(server)
         again, cached = _complete(server, p)
         assert again == cold and cached == 5 * BLOCK
         assert "Traceback" not in server.log()
     finally:
         assert server.stop() == 0
+    if hybrid:
+        _restarted_next_turn(model, tmp_path, p + cold + _prompt(23, 12))
 
 
-def test_hybrid_model_does_not_use_the_tier(tiny_arch, tmp_path):
-    model = tiny_arch("qwen3_next")
-    server = _serve(model, tmp_path / "log", tmp_path / "kv")
+def _restarted_next_turn(model: str, tmp_path, turn: list[int]) -> None:
+    server = _serve(model, tmp_path / "log2", tmp_path / "kv")
     try:
-        p = _prompt(22)
-        out, _ = _complete(server, p)
-        assert out == mlx_greedy(model, p, NEW)
-        assert "--kv-disk-dir is ignored for this model: recurrent layers" in server.log()
-        assert _block_files(tmp_path / "kv") == {}
+        out, cached = _complete(server, turn)
+        assert out == mlx_greedy(model, turn, NEW)
+        assert cached == 5 * BLOCK  # to the last block end with a stored state
+        assert _metrics(server)['radix_mlx_cache_hit_tokens_total{tier="disk"}'] == 5 * BLOCK
+        assert "Traceback" not in server.log()
     finally:
         assert server.stop() == 0
 
