@@ -89,15 +89,13 @@ class DiskIndex:
         not on disk yet (recurrent models; the snapshots the prompt took at block ends)."""
         if not self.states:
             return {}
-        found = {}
-        for i, key in enumerate(keys):
-            if state_key(key) in self.keys:
-                continue
-            end = (i + 1) * self.block_tokens
-            m = kv.tree.match_snapshot(tokens[:end], req.namespace)
-            if m.snapshot and len(m.slot_ids) == end:
-                found[i] = m.snapshot
-        return found
+        B = self.block_tokens
+        on_path = kv.tree.snapshots_on_path(tokens[: len(keys) * B], req.namespace)
+        return {
+            end // B - 1: slot
+            for end, slot in on_path.items()
+            if end % B == 0 and state_key(keys[end // B - 1]) not in self.keys
+        }
 
     def take_saves(self) -> tuple[list[BlockSave], list[str]]:
         out, touched, self.saves, self.touches = self.saves, self.touches, [], []
