@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.cache_salt import stored_namespace
 from common.kv_store.block_keys import block_keys, root_key, state_key
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from scheduler.cache import KVCacheManager
@@ -47,8 +48,12 @@ class PlannedLoad:
 
 
 class DiskIndex:
-    def __init__(self, keys: list[str], block_tokens: int, states: bool = False):
+    def __init__(
+        self, keys: list[str], block_tokens: int, states: bool = False, adapters: list[str] = ()
+    ):
         self.keys = set(keys)  # blocks' keys, and the state_keys of stored states
+        # per LoRA adapter id (0: the base), its identity (fingerprint.adapter_identity)
+        self.adapters = ["", *adapters]
         self.block_tokens = block_tokens
         self.states = states  # recurrent layers: a prefix resumes only from a stored state
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
@@ -57,6 +62,10 @@ class DiskIndex:
         self.writable = True  # the worker's store writes (else nothing is asked to save)
         self.in_flight = 0  # tokens of LoadBatches not answered yet
 
+    def namespace(self, salt: str | None, lora: int) -> int:
+        """The namespace of a request's block keys (`Req.disk_namespace`)."""
+        return stored_namespace(salt, self.adapters[lora])
+
     # ------------------------------------------------------------ saves
 
     def save_finished(self, kv: KVCacheManager, req: Req, tokens: list[int]) -> None:
@@ -64,7 +73,7 @@ class DiskIndex:
         if not self.writable:
             return
         B = self.block_tokens
-        keys = block_keys(tokens, req.namespace, B)
+        keys = block_keys(tokens, req.disk_namespace, B)
         states = self._block_states(kv, req, tokens, keys)
         missing = [i for i, key in enumerate(keys) if key not in self.keys or i in states]
         # the blocks it used again are the disk's most recent too: a prefix the pool keeps
@@ -76,7 +85,7 @@ class DiskIndex:
         if len(slots) < len(keys) * B:
             return  # not all in the trie (--disable-radix-cache): nothing to copy from
         for i in missing:
-            parent = keys[i - 1] if i else root_key(req.namespace)
+            parent = keys[i - 1] if i else root_key(req.disk_namespace)
             piece = slice(i * B, (i + 1) * B)
             state = states.get(i, 0)
             self.saves.append(BlockSave(keys[i], parent, tokens[piece], slots[piece], state))
@@ -133,7 +142,7 @@ class DiskIndex:
         B = self.block_tokens
         head = req.fill_ids[:-1]  # at least one token is computed
         if req.disk_keys is None:  # hashed once: a prompt may be looked at again
-            req.disk_keys = block_keys(head, req.namespace, B)
+            req.disk_keys = block_keys(head, req.disk_namespace, B)
         keys = req.disk_keys
         m = kv.tree.match_prefix(head, req.namespace)
         pooled = len(m.slot_ids)

@@ -12,6 +12,7 @@ import logging
 import time
 
 from common.cache_salt import cache_namespace, namespaced_key
+from common.kv_store.fingerprint import adapter_identity
 from common.messages import (
     AbortReq,
     BlocksLoaded,
@@ -89,7 +90,8 @@ class Scheduler:
         self.loading: dict[int, list[PlannedLoad]] = {}  # LoadBatch step -> its loads
         if worker.disk_blocks is not None and not args.disable_radix_cache:
             states = worker.num_state_slots > 0
-            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens, states)
+            adapters = [adapter_identity(spec.path) for spec in args.loras]
+            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens, states, adapters)
             if states:
                 self.kv.block_tokens = worker.disk_block_tokens
 
@@ -111,6 +113,8 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
         req.lora = msg.lora
         req.namespace = cache_namespace(msg.cache_salt, msg.lora)
+        if self.disk is not None:
+            req.disk_namespace = self.disk.namespace(msg.cache_salt, msg.lora)
         req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
         req.images = msg.images
         self.reqs[req.rid] = req

@@ -25,6 +25,7 @@ from tests.test_kv_disk_e2e import (
     _serve,
     _wait_saved,
 )
+from tests.test_lora import adapter_greedy
 from worker_mlx.kv_disk import RESCAN_SECONDS
 
 pytestmark = pytest.mark.slow
@@ -194,5 +195,48 @@ def test_concurrent_sessions_on_a_small_pool_stay_exact(tiny_model, tmp_path):
         assert _metrics(server)['radix_mlx_cache_hit_tokens_total{tier="disk"}'] > 0
         log = server.log()
         assert "Traceback" not in log and "slots lost" not in log and "two owners" not in log
+    finally:
+        assert server.stop() == 0
+
+
+def _complete_as(server, model: str, prompt: list[int]) -> tuple[list[int], int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    res = httpx.post(server.url + "/v1/completions", json=body, timeout=300).json()
+    assert "choices" in res, res
+    return res["choices"][0]["token_ids"], res["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_adapter_blocks_follow_the_adapter_across_reordered_lora_flags(
+    tiny_model, tiny_adapters, tmp_path
+):
+    """Blocks an adapter wrote are keyed by the adapter's files, not its --lora position:
+    after a restart that swaps the flags, that adapter's next turn comes from disk
+    exactly, while the adapter now at its old position and the base recompute."""
+    a1, a2 = tiny_adapters
+    base = os.path.basename(tiny_model)
+    p = _prompt(90)
+    server = _serve(tiny_model, tmp_path / "a.log", tmp_path / "kv", "--lora", f"a1={a1}",
+                    "--lora", f"a2={a2}")  # fmt: skip
+    try:
+        out, _ = _complete_as(server, "a1", p)
+        assert out == adapter_greedy(tiny_model, a1, p, NEW)
+        deadline = time.monotonic() + 60
+        while len(_block_files(tmp_path / "kv")) < 5:  # its five whole blocks, nothing else
+            assert time.monotonic() < deadline, "the adapter's blocks were not written"
+            time.sleep(0.1)
+    finally:
+        assert server.stop() == 0
+    server = _serve(tiny_model, tmp_path / "b.log", tmp_path / "kv", "--lora", f"a2={a2}",
+                    "--lora", f"a1={a1}")  # fmt: skip
+    try:
+        for model, adapter in ((base, None), ("a2", a2)):  # a2 has a1's old position
+            got, cached = _complete_as(server, model, p)
+            assert cached == 0 and got == adapter_greedy(tiny_model, adapter, p, NEW)
+        turn = p + out + _prompt(91, 12)
+        got, cached = _complete_as(server, "a1", turn)
+        assert got == adapter_greedy(tiny_model, a1, turn, NEW)
+        assert cached == 5 * BLOCK
+        assert "Traceback" not in server.log()
     finally:
         assert server.stop() == 0
