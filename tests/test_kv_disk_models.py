@@ -1,5 +1,5 @@
-"""The disk tier across model kinds and limits: a sliding-window model, n-gram
-speculation, an int8 pool and hybrid (recurrent: gated-delta, Mamba-2) models serve an
+"""The disk tier across model kinds and limits: a sliding-window model, n-gram and
+draft-model speculation, an int8 pool and hybrid (recurrent: gated-delta, Mamba-2) models serve an
 evicted prefix from disk with the same tokens, the hybrids also after a restart; a budget
 of a few blocks holds, also across a worker killed while it writes."""
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from common.kv_store.block_keys import block_keys, state_key
+from common.tiny_model import build_draft_model
 from tests.conftest import mlx_greedy
 from tests.test_kv_disk_e2e import (
     BLOCK,
@@ -50,17 +51,21 @@ def _wait_state_saved(kv_dir, tokens: list[int], timeout: float = 60) -> None:
     [
         ("mistral_swa", "tiny", []),
         ("qwen3", "tiny", ["--speculative-algorithm", "ngram"]),
+        ("qwen3", "tiny", ["--speculative-algorithm", "draft"]),  # its KV in the blocks too
         ("qwen3", "small", ["--kv-cache-dtype", "int8"]),  # head dim 64: one group
         ("qwen3_next", "tiny", []),  # gated-delta layers: their states come back too
         ("granite4", "tiny", []),  # Mamba-2 layers
     ],
-    ids=["sliding-window", "ngram", "int8", "hybrid-gated-delta", "hybrid-mamba2"],
+    ids=["sliding-window", "ngram", "draft", "int8", "hybrid-gated-delta", "hybrid-mamba2"],
 )
 def test_evicted_prefix_from_disk_is_exact(tiny_arch, tmp_path, arch, preset, flags):
     """Cold, then evicted and served from disk; a recurrent model's state at the last
     block end comes back with the blocks, also in a restarted server's next turn."""
     model = tiny_arch(arch, preset)
     hybrid = arch in ("qwen3_next", "granite4")
+    if "draft" in flags:
+        draft = build_draft_model(model, tmp_path / "draft", layers=1)
+        flags = [*flags, "--speculative-draft-model-path", str(draft)]
     server = _serve(model, tmp_path / "log", tmp_path / "kv", *flags)
     try:
         p = _prompt(21)

@@ -127,3 +127,37 @@ def test_a_state_after_a_block_loads_back_into_another_slot(tmp_path):
     tier.submit(4, [BlockLoad(key, 0, list(range(30, 30 + B)), state_slot=4)])
     assert _answers(tier)[0].loaded == 0
     assert tier.report().errors == {"missing": 1}
+
+
+def test_a_draft_models_kv_travels_in_the_same_block(tmp_path):
+    """With a draft model (its pool has the same slot ids) a block holds both models'
+    KV, and a load writes each into its own pool."""
+    pool = _pool("auto")
+    draft = MlxKVPool(KVLayout(1, 1, 32, mx.float32), 64)
+    k = mx.array(np.random.default_rng(2).standard_normal((B, 1, 32)).astype(np.float32))
+    draft.write(0, mx.arange(1, B + 1), k, -k)
+    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B, verify=True, draft=draft)
+    tokens = list(range(60, 60 + B))
+    key = block_key(root_key(0), tokens)
+    tier.save([BlockSave(key, root_key(0), tokens, list(range(1, B + 1)))])
+    tier.drain()
+    tier.submit(7, [BlockLoad(key, 2, list(range(30, 30 + B - 2)))])
+    assert _answers(tier)[0].loaded == 1
+    for p in (pool, draft):
+        for a, b in zip(_stored(p, list(range(3, B + 1))), _stored(p, list(range(30, 36)))):
+            assert np.array_equal(a, b) and a.any()
+
+
+def test_debug_invariants_catch_a_block_installed_wrong(tmp_path, monkeypatch):
+    """--debug-invariants reads every installed block back: a copy that did not land
+    (here: the pool's write dropped) fails loudly instead of serving zeros."""
+    pool = _pool("auto")
+    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B, verify=True)
+    tokens = list(range(70, 70 + B))
+    key = block_key(root_key(0), tokens)
+    tier.save([BlockSave(key, root_key(0), tokens, list(range(1, B + 1)))])
+    tier.drain()
+    monkeypatch.setattr(pool, "write_parts", lambda *args: None)
+    tier.submit(8, [BlockLoad(key, 0, list(range(40, 40 + B)))])
+    with pytest.raises(AssertionError, match="the pool differs"):
+        _answers(tier)

@@ -12,7 +12,11 @@ A model with recurrent layers also stores the state after a block's last token, 
 scheduler names one (`BlockSave.state_slot`), as an entry of its own (`state_key`), and
 a load's last block brings it back into the state slot the scheduler chose.
 
-Which models use the tier is decided here (`unsupported`): the pool's KV and states must
+With a draft model (--speculative-algorithm draft), whose pool has the same slot ids, a
+block holds the draft's KV of its tokens too, after the target's: a prefix loaded from
+disk is then there for the draft as a pool hit is.
+
+Which models use the tier is decided here (`unsupported`): the pools' KV and states must
 be the whole of a prefix's cache, and the pool must be one process's.
 
 With --debug-invariants every installed block is read back from the pool and compared
@@ -53,8 +57,6 @@ EXIT_DRAIN_SECONDS = 3.0
 
 def unsupported(args: ServerArgs) -> str | None:
     """Why this server cannot use the tier yet (None: it can)."""
-    if args.speculative_algorithm == "draft":
-        return "a draft model (its own pool would miss the loaded blocks)"
     if args.group_size > 1:
         return "a distributed worker (each rank holds a share of the pool)"
     return None
@@ -68,9 +70,12 @@ def default_budget(root: Path) -> int:
     return min(shutil.disk_usage(probe).free // 10, MAX_DEFAULT_BUDGET)
 
 
-def open_tier(args: ServerArgs, pool: MlxKVPool, states: StatePool | None) -> DiskTier | None:
+def open_tier(
+    args: ServerArgs, pool: MlxKVPool, states: StatePool | None, draft: MlxKVPool | None = None
+) -> DiskTier | None:
     """The tier --kv-disk-dir asks for, or None (off, or a model it does not serve yet:
-    one log line says which). `states`: a recurrent model's state pool."""
+    one log line says which). `states`: a recurrent model's state pool; `draft`: the
+    draft model's pool."""
     if not args.kv_disk_dir:
         return None
     why = unsupported(args)
@@ -81,6 +86,9 @@ def open_tier(args: ServerArgs, pool: MlxKVPool, states: StatePool | None) -> Di
     budget = parse_size(args.kv_disk_budget) if args.kv_disk_budget else default_budget(root)
     block = args.kv_disk_block_tokens
     layout = repr(pool.layout) + (f" states={states.layout!r}" if states is not None else "")
+    if draft is not None:  # its KV is in every block: its weights decide reuse too
+        draft_print = fingerprint(args.speculative_draft_model_path, repr(draft.layout), block)
+        layout += f" draft={draft_print}"
     print_ = fingerprint(args.model_path, layout, block)
     store = FileBlockStore(root, print_, budget)
     used, blocks = store.usage()
@@ -88,7 +96,7 @@ def open_tier(args: ServerArgs, pool: MlxKVPool, states: StatePool | None) -> Di
         "kv disk tier: %s, %d blocks of %d tokens (%s of %s)",
         store.dir, blocks, block, format_size(used), format_size(budget),
     )  # fmt: skip
-    return DiskTier(store, pool, block, states, verify=args.debug_invariants)
+    return DiskTier(store, pool, block, states, verify=args.debug_invariants, draft=draft)
 
 
 def _token_bytes(arrays: list[mx.array]) -> list[int]:
@@ -99,10 +107,10 @@ def _token_bytes(arrays: list[mx.array]) -> list[int]:
 class DiskTier:
     def __init__(
         self, store: BlockStore, pool: MlxKVPool, block_tokens: int,
-        states: StatePool | None = None, verify: bool = False,
+        states: StatePool | None = None, verify: bool = False, draft: MlxKVPool | None = None,
     ):  # fmt: skip
         self.store = store
-        self.pool = pool
+        self.pools = [pool] if draft is None else [pool, draft]  # a block's KV, in order
         self.block_tokens = block_tokens
         self.states = states
         self.verify = verify  # --debug-invariants: installed blocks are read back
@@ -113,9 +121,9 @@ class DiskTier:
         self._added: list[str] = []
         self._scanned = time.monotonic()
         self._last_state = None
-        # per pool part (layer by layer, K's parts then V's), the bytes of one token, and
-        # per state array, the bytes of one state slot
-        self._part_bytes = _token_bytes([p for layer in pool.parts for p in layer])
+        # per pool part (pool by pool, layer by layer, K's parts then V's), the bytes of
+        # one token, and per state array, the bytes of one state slot
+        self._part_bytes = _token_bytes(self._parts())
         self._state_bytes = _token_bytes(states.all()) if states is not None else []
         self.loading = 0  # LoadBatches submitted and not answered yet
         self._queue: queue.Queue = queue.Queue()
@@ -137,7 +145,7 @@ class DiskTier:
         gathered = []
         for b in blocks:
             idx = mx.array(b.slots, dtype=mx.int32)
-            gathered.append([p[idx] for layer in self.pool.parts for p in layer])
+            gathered.append([p[idx] for p in self._parts()])
             if b.state_slot and self.states is not None:  # the state after its last token
                 gathered[-1] += [a[b.state_slot] for a in self.states.all()]
         mx.eval(gathered)
@@ -251,7 +259,8 @@ class DiskTier:
                 return answers
             for load, (raws, states) in blocks:
                 self._install(load, raws, states)
-            mx.eval(self.pool.arrays() + (self.states.all() if self.states else []))
+            mx.eval([a for pool in self.pools for a in pool.arrays()])
+            mx.eval(self.states.all() if self.states else [])
             if self.verify:
                 for load, (raws, states) in blocks:
                     self._check_installed(load, raws, states)
@@ -261,28 +270,31 @@ class DiskTier:
     def _install(self, load: BlockLoad, raws: list[np.ndarray], states: list[np.ndarray]):
         """A block's tokens from `load.offset` on into `load.slots` (and its state)."""
         idx = mx.array(load.slots, dtype=mx.int32)
-        stored = [p for layer in self.pool.parts for p in layer]
-        per_layer = len(self.pool.parts[0])
         parts = [
             mx.array(raw).view(p.dtype).reshape(self.block_tokens, *p.shape[1:])[load.offset :]
-            for raw, p in zip(raws, stored)
+            for raw, p in zip(raws, self._parts())
         ]
-        for layer in range(len(self.pool.parts)):
-            self.pool.write_parts(layer, idx, parts[layer * per_layer : (layer + 1) * per_layer])
+        for pool in self.pools:
+            for layer, stored in enumerate(pool.parts):
+                pool.write_parts(layer, idx, parts[: len(stored)])
+                parts = parts[len(stored) :]
         for raw, a in zip(states, self.states.all() if states else []):
             a[load.state_slot] = mx.array(raw).view(a.dtype).reshape(a.shape[1:])
 
     def _check_installed(self, load: BlockLoad, raws, states) -> None:
         """--debug-invariants: the pool now holds exactly the verified bytes."""
         idx = mx.array(load.slots, dtype=mx.int32)
-        stored = [p for layer in self.pool.parts for p in layer]
-        for raw, p, n in zip(raws, stored, self._part_bytes):
+        for raw, p, n in zip(raws, self._parts(), self._part_bytes):
             got = np.array(p[idx].view(mx.uint8)).reshape(-1)
             if not np.array_equal(got, raw.reshape(-1)[load.offset * n :]):
                 raise AssertionError(f"block {load.key}: the pool differs from the block read")
         for raw, a in zip(states, self.states.all() if states else []):
             if not np.array_equal(np.array(a[load.state_slot].view(mx.uint8)).reshape(-1), raw):
                 raise AssertionError(f"state after block {load.key}: the pool differs")
+
+    def _parts(self) -> list[mx.array]:
+        """Every pool's stored arrays, in a block's order."""
+        return [p for pool in self.pools for layer in pool.parts for p in layer]
 
     # ------------------------------------------------------------ report
 
