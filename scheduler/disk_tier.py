@@ -144,7 +144,10 @@ class DiskIndex:
         if req.disk_keys is None:  # hashed once: a prompt may be looked at again
             req.disk_keys = block_keys(head, req.disk_namespace, B)
         keys = req.disk_keys
-        m = kv.tree.match_prefix(head, req.namespace)
+        # a recurrent model's pool prefix is usable to its deepest snapshot only: KV past
+        # it is loaded again with the state at its end (the trie frees the duplicates)
+        match = kv.tree.match_snapshot if self.states else kv.tree.match_prefix
+        m = match(head, req.namespace)
         pooled = len(m.slot_ids)
         blocks = []
         for k in range(pooled // B, len(keys)):

@@ -151,3 +151,15 @@ def test_recurrent_load_cut_short_frees_its_state_slot():
     assert kv.states.available_size() == free
     assert kv.tree.match_snapshot(tokens).snapshot == 0  # KV without a state: not resumed
     assert keys[1] not in disk.keys and state_key(keys[1]) not in disk.keys
+
+
+def test_recurrent_pool_kv_past_its_last_snapshot_is_loaded_again_with_the_state():
+    tokens = list(range(1000, 1018))
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = _recurrent(keys + [state_key(keys[1])])
+    kv.tree.insert(tokens[:12], kv.allocator.alloc(12))  # KV, no snapshot: not resumable
+    [plan] = disk.plan([Req("r", tokens, SamplingParams(max_new_tokens=4))], kv)
+    assert [(x.offset, len(x.slots)) for x in plan.loads] == [(0, B), (0, B)]
+    disk.loaded(kv, [plan], BlocksLoaded(1, loaded=2))
+    kv.check_invariants([])  # the loaded copies of the pool's 12 tokens were freed
+    assert len(kv.tree.match_snapshot(tokens[:-1]).slot_ids) == 2 * B
