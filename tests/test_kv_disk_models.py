@@ -174,11 +174,14 @@ def _wait_replicas(server, n: int, timeout: float = 180) -> None:
     raise AssertionError("the replicas did not all start")
 
 
-def test_concurrent_sessions_on_a_small_pool_stay_exact(tiny_model, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"], ids=["attention", "hybrid"])
+def test_concurrent_sessions_on_a_small_pool_stay_exact(tiny_arch, tmp_path, arch):
     """Concurrent sessions on a pool that must evict and retract: loads run while other
     requests decode, and every output is mlx-lm's (--debug-invariants checks the slot
-    accounting after every step and load)."""
+    accounting, state slots too, after every step and load)."""
     import concurrent.futures
+
+    tiny_model = tiny_arch(arch)
 
     # room for about three requests at once: loads overlap other requests' decode steps
     server = _serve(tiny_model, tmp_path / "log", tmp_path / "kv", "--max-total-tokens", "1200")
