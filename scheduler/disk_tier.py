@@ -78,7 +78,8 @@ class DiskIndex:
         missing = [i for i, key in enumerate(keys) if key not in self.keys or i in states]
         # the blocks it used again are the disk's most recent too: a prefix the pool keeps
         # hot must not age out of the disk meanwhile
-        self.touches += [key for key in keys if key in self.keys]
+        used = keys + [state_key(key) for key in keys] if self.states else keys
+        self.touches += [key for key in used if key in self.keys]  # (and states with them)
         if not missing:
             return
         slots = kv.tree.match_prefix(tokens[: len(keys) * B], req.namespace).slot_ids

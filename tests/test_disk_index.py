@@ -163,3 +163,12 @@ def test_recurrent_pool_kv_past_its_last_snapshot_is_loaded_again_with_the_state
     disk.loaded(kv, [plan], BlocksLoaded(1, loaded=2))
     kv.check_invariants([])  # the loaded copies of the pool's 12 tokens were freed
     assert len(kv.tree.match_snapshot(tokens[:-1]).slot_ids) == 2 * B
+
+
+def test_recurrent_blocks_used_again_touch_their_stored_states_too():
+    tokens = list(range(1100, 1118))
+    keys = block_keys(tokens, 0, B)
+    kv, disk = _recurrent(keys + [state_key(keys[1])])
+    _finished(kv, disk, "a", tokens)
+    _, touched = disk.take_saves()
+    assert set(keys) | {state_key(keys[1])} <= set(touched)  # a hot prefix keeps its state
