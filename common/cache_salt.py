@@ -39,6 +39,18 @@ def cache_namespace(salt: str | None, lora: int) -> int:
     return -1 - (int.from_bytes(digest, "big") >> 2)  # in [-2**62, -1]: a msgpack int64
 
 
+def stored_namespace(salt: str | None, adapter: str) -> int:
+    """The namespace of the disk tier's block keys (common/kv_store/block_keys.py): as
+    `cache_namespace`, with the adapter named by its identity (`adapter_identity`, ""
+    for the base) rather than its --lora position, which a restart may give to another
+    adapter. Equal to `cache_namespace` without an adapter."""
+    if not adapter:
+        return cache_namespace(salt, 0)
+    key = (salt or "").encode("utf-8") + b"\xffadapter" + adapter.encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "big") >> 2)
+
+
 def salted_key(tokens: list[int], salt: str | None, lora: int = 0) -> list[int]:
     """The radix key of a prompt under `salt` and adapter `lora`: the tokens, behind their
     namespace key."""

@@ -278,12 +278,15 @@ class EmbedResult:
 class BlockSave:
     """One whole block of a finished request for the disk tier: its chained key
     (common/kv_store/block_keys.py), its parent's key, its tokens and the pool slots that
-    hold their KV (read after the release's flush, before any slot is reused)."""
+    hold their KV (read after the release's flush, before any slot is reused); for a
+    model with recurrent layers, `state_slot` (0: none) holds the state after the block's
+    last token, stored beside it (`state_key`) so a prefix can resume there."""
 
     key: str
     parent: str
     tokens: list[int]
     slots: list[int]
+    state_slot: int = 0
 
 
 @dataclass
@@ -299,11 +302,14 @@ class ReleaseBatch:
 @dataclass
 class BlockLoad:
     """A block to read from the disk tier into fresh pool slots: its tokens from `offset`
-    on (the first `offset` are in the pool already) go to `slots`, one each."""
+    on (the first `offset` are in the pool already) go to `slots`, one each. For a model
+    with recurrent layers, the last block of a prompt's load also brings the state at its
+    end (`state_key`) into `state_slot` (0: none)."""
 
     key: str
     offset: int
     slots: list[int]
+    state_slot: int = 0
 
 
 @dataclass

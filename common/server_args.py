@@ -487,10 +487,6 @@ class ServerArgs:
                 "run one local scheduler+worker pair each: not with --replica, --dp-size, "
                 "--tp-size or --pp-size"
             )
-        if self.kv_disk_dir and self.lora:
-            # the disk's block keys name an adapter by its --lora position, which a restart
-            # may give to another adapter, and the fingerprint does not cover adapters yet
-            raise ValueError("--kv-disk-dir is not yet supported with --lora")
         if self.several_models and self.lora:
             raise ValueError(
                 "--lora adapts the one model of --model-path: not yet with several models"

@@ -55,6 +55,9 @@ class KVCacheManager:
         )
         self.req_to_token = ReqToTokenPool(max_requests)
         self.evicted_tokens = 0
+        # with the disk tier on a recurrent model, its block size: each prompt also
+        # snapshots its state at its last block end, for the block to carry (disk_tier.py)
+        self.block_tokens = 0
 
     @property
     def capacity(self) -> int:
@@ -147,6 +150,10 @@ class KVCacheManager:
             return adm
         start, end, fill_len = len(adm.prefix_slot_ids), req.num_computed, len(req.fill_ids)
         points = {end if end < fill_len else fill_len - 1}
+        if self.block_tokens and (fill_len - 1) // self.block_tokens:
+            block_end = (fill_len - 1) // self.block_tokens * self.block_tokens
+            if block_end <= end:
+                points.add(block_end)
         points.update(p for p in req.branch_points if p <= end)
         req.branch_points = [p for p in req.branch_points if p > end]
         for at in sorted(p for p in points if p > start):
@@ -192,10 +199,10 @@ class KVCacheManager:
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.cache_len = m.last_node, len(m.slot_ids)
         for at, slot in req.pending_snapshots:
-            self._attach(tokens[:at], slot, req.namespace)
+            self.attach_snapshot(tokens[:at], slot, req.namespace)
         req.pending_snapshots = []
 
-    def _attach(self, tokens: list[int], slot: int, namespace: int) -> bool:
+    def attach_snapshot(self, tokens: list[int], slot: int, namespace: int) -> bool:
         """Hand `slot` to the trie node ending after `tokens`, or free it (False) if that
         node already has a snapshot (or is not there)."""
         if self.tree.attach_snapshot(tokens, slot, namespace):
@@ -229,7 +236,7 @@ class KVCacheManager:
             tokens = req.fill_ids[: len(slots)]
             done = self.tree.insert(tokens, slots, req.namespace)
             self.allocator.free(slots[req.cache_len : done])
-            if snapshot and not self._attach(tokens, snapshot, req.namespace):
+            if snapshot and not self.attach_snapshot(tokens, snapshot, req.namespace):
                 snapshot = 0
             # the prompt's cache_control prefix (Anthropic's breakpoints) outlasts the rest
             self.tree.mark_priority(tokens[: req.priority_len], req.namespace)
@@ -242,9 +249,12 @@ class KVCacheManager:
         req.state_slot, req.pending_snapshots, req.branch_points = 0, [], []
         return snapshot
 
-    def check_invariants(self, holders: list[Req], loading: list[int] = ()) -> None:
-        """free + trie + owned by `holders` (+ `loading`: slots the disk tier is reading
-        blocks into) == capacity, and no slot has two owners; the same for state slots."""
+    def check_invariants(
+        self, holders: list[Req], loading: list[int] = (), loading_states: list[int] = ()
+    ) -> None:
+        """free + trie + owned by `holders` (+ `loading`, `loading_states`: slots the disk
+        tier is reading blocks and states into) == capacity, and no slot has two owners;
+        the same for state slots."""
         own = [
             s for r in holders for s in self.req_to_token.get(r.rid)[r.cache_len :] + r.dup_slots
         ]
@@ -263,6 +273,7 @@ class KVCacheManager:
                 snapshots=self.tree.all_snapshots(),
                 working=[r.state_slot for r in holders],
                 pending=[s for r in holders for _, s in r.pending_snapshots],
+                loading=list(loading_states),
             )
 
 

@@ -14,13 +14,21 @@ pool match. Two things cross to the worker:
   disk tier gets fresh slots for those blocks and a LoadBatch; the blocks the worker
   loaded go into the trie as cached tokens, and the prompt's admission then matches
   them like any other prefix (the rest is freed and recomputed).
+
+A model with recurrent layers resumes only where a state snapshot is (the trie's
+`match_snapshot`), so the tier also keeps states: the scheduler has each prompt snapshot
+its state at its last block end (`KVCacheManager.block_tokens`), a block saved while the
+trie holds a snapshot at its end takes it along (stored as `state_key(key)`), and a load
+runs to the deepest block whose state is on disk, bringing that state into a fresh state
+slot that becomes the loaded prefix's snapshot.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.kv_store.block_keys import block_keys, root_key
+from common.cache_salt import stored_namespace
+from common.kv_store.block_keys import block_keys, root_key, state_key
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from scheduler.cache import KVCacheManager
 from scheduler.request import Req
@@ -40,14 +48,23 @@ class PlannedLoad:
 
 
 class DiskIndex:
-    def __init__(self, keys: list[str], block_tokens: int):
-        self.keys = set(keys)
+    def __init__(
+        self, keys: list[str], block_tokens: int, states: bool = False, adapters: list[str] = ()
+    ):
+        self.keys = set(keys)  # blocks' keys, and the state_keys of stored states
+        # per LoRA adapter id (0: the base), its identity (fingerprint.adapter_identity)
+        self.adapters = ["", *adapters]
         self.block_tokens = block_tokens
+        self.states = states  # recurrent layers: a prefix resumes only from a stored state
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
         self.touches: list[str] = []  # keys used again, for the next ReleaseBatch
         self.reports: list[DiskReport] = []  # for the router's metrics
         self.writable = True  # the worker's store writes (else nothing is asked to save)
         self.in_flight = 0  # tokens of LoadBatches not answered yet
+
+    def namespace(self, salt: str | None, lora: int) -> int:
+        """The namespace of a request's block keys (`Req.disk_namespace`)."""
+        return stored_namespace(salt, self.adapters[lora])
 
     # ------------------------------------------------------------ saves
 
@@ -56,21 +73,39 @@ class DiskIndex:
         if not self.writable:
             return
         B = self.block_tokens
-        keys = block_keys(tokens, req.namespace, B)
-        missing = [i for i, key in enumerate(keys) if key not in self.keys]
+        keys = block_keys(tokens, req.disk_namespace, B)
+        states = self._block_states(kv, req, tokens, keys)
+        missing = [i for i, key in enumerate(keys) if key not in self.keys or i in states]
         # the blocks it used again are the disk's most recent too: a prefix the pool keeps
         # hot must not age out of the disk meanwhile
-        self.touches += [key for key in keys if key in self.keys]
+        used = keys + [state_key(key) for key in keys] if self.states else keys
+        self.touches += [key for key in used if key in self.keys]  # (and states with them)
         if not missing:
             return
         slots = kv.tree.match_prefix(tokens[: len(keys) * B], req.namespace).slot_ids
         if len(slots) < len(keys) * B:
             return  # not all in the trie (--disable-radix-cache): nothing to copy from
         for i in missing:
-            parent = keys[i - 1] if i else root_key(req.namespace)
+            parent = keys[i - 1] if i else root_key(req.disk_namespace)
             piece = slice(i * B, (i + 1) * B)
-            self.saves.append(BlockSave(keys[i], parent, tokens[piece], slots[piece]))
+            state = states.get(i, 0)
+            self.saves.append(BlockSave(keys[i], parent, tokens[piece], slots[piece], state))
             self.keys.add(keys[i])  # one writer per block: later finishes do not ask again
+            if state:
+                self.keys.add(state_key(keys[i]))
+
+    def _block_states(self, kv: KVCacheManager, req: Req, tokens, keys) -> dict[int, int]:
+        """Block index -> the trie's snapshot at its end, for the blocks whose state is
+        not on disk yet (recurrent models; the snapshots the prompt took at block ends)."""
+        if not self.states:
+            return {}
+        B = self.block_tokens
+        on_path = kv.tree.snapshots_on_path(tokens[: len(keys) * B], req.namespace)
+        return {
+            end // B - 1: slot
+            for end, slot in on_path.items()
+            if end % B == 0 and state_key(keys[end // B - 1]) not in self.keys
+        }
 
     def take_saves(self) -> tuple[list[BlockSave], list[str]]:
         out, touched, self.saves, self.touches = self.saves, self.touches, [], []
@@ -108,15 +143,21 @@ class DiskIndex:
         B = self.block_tokens
         head = req.fill_ids[:-1]  # at least one token is computed
         if req.disk_keys is None:  # hashed once: a prompt may be looked at again
-            req.disk_keys = block_keys(head, req.namespace, B)
+            req.disk_keys = block_keys(head, req.disk_namespace, B)
         keys = req.disk_keys
-        m = kv.tree.match_prefix(head, req.namespace)
+        # a recurrent model's pool prefix is usable to its deepest snapshot only: KV past
+        # it is loaded again with the state at its end (the trie frees the duplicates)
+        match = kv.tree.match_snapshot if self.states else kv.tree.match_prefix
+        m = match(head, req.namespace)
         pooled = len(m.slot_ids)
         blocks = []
         for k in range(pooled // B, len(keys)):
             if keys[k] not in self.keys:
                 break
             blocks.append(k)
+        if self.states:  # resumable only where a state was stored: cut back to the last
+            while blocks and state_key(keys[blocks[-1]]) not in self.keys:
+                blocks.pop()
         if any(keys[k] in taken for k in blocks):
             return None  # another prompt of this round loads them
         if not blocks:
@@ -128,7 +169,11 @@ class DiskIndex:
             return None
         kv.tree.inc_lock_ref(m.last_node)  # the pool part must survive the allocation
         slots = kv.alloc(need)
+        state = kv.alloc_state() if self.states and slots is not None else 0
         kv.tree.dec_lock_ref(m.last_node)
+        if slots is not None and self.states and not state:
+            kv.allocator.free(slots)
+            slots = None
         if slots is None:
             return None
         req.disk_checked = True
@@ -137,6 +182,7 @@ class DiskIndex:
             offset = max(pooled - k * B, 0)
             loads.append(BlockLoad(keys[k], offset, slots[at : at + B - offset]))
             at += B - offset
+        loads[-1].state_slot = state
         taken.update(keys[k] for k in blocks)
         return PlannedLoad(req, head[:end], m.slot_ids, loads)
 
@@ -152,14 +198,21 @@ class DiskIndex:
             slots = [s for x in plan.loads[:n] for s in x.slots]
             kv.allocator.free([s for x in plan.loads[n:] for s in x.slots])
             if refused and n < len(plan.loads):
-                self.keys.discard(plan.loads[n].key)  # missing or damaged: not asked again
+                bad = plan.loads[n].key  # missing or damaged (or its state): not asked again
+                self.keys.difference_update((bad, state_key(bad)))
                 refused = False
+            state = plan.loads[-1].state_slot  # read with the last block, else unused
+            if state and n < len(plan.loads):
+                kv.states.free([state])
+                state = 0
             if not slots:
                 continue
             tokens = plan.tokens[: len(plan.prefix) + len(slots)]
             done = kv.tree.insert(tokens, plan.prefix + slots, plan.req.namespace)
             kv.allocator.free((plan.prefix + slots)[len(plan.prefix) : done])
             plan.req.disk_tokens = len(slots)
+            if state:  # the loaded prefix's snapshot (freed if the trie has one there)
+                kv.attach_snapshot(tokens, state, plan.req.namespace)
 
     # ------------------------------------------------------------ reports
 

@@ -145,6 +145,18 @@ class RadixCache:
             node = node.parent
         return MatchResult(m.slot_ids[:n], node, node.snapshot or 0, len(m.slot_ids))
 
+    def snapshots_on_path(self, token_ids: Sequence[int], namespace: int = 0) -> dict[int, int]:
+        """Every snapshot on the cached path of ``token_ids``: its node's end (a token
+        count) -> its state slot, in one walk."""
+        m = self.match_prefix(token_ids, namespace)
+        node, end, found = m.last_node, len(m.slot_ids), {}
+        while node is not self.root:
+            if node.snapshot is not None:
+                found[end] = node.snapshot
+            end -= len(node.value)
+            node = node.parent
+        return found
+
     def attach_snapshot(self, token_ids: Sequence[int], slot: int, namespace: int = 0) -> bool:
         """Give the node ending exactly after ``token_ids`` (split there if need be) the state
         slot ``slot``. False, taking nothing, if those tokens are not all cached or that node

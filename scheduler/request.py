@@ -36,6 +36,7 @@ class Req:
     disk_checked: bool = False
     disk_loading: bool = False  # its blocks are being read: not admitted meanwhile
     disk_keys: list[str] | None = None  # its prompt's block keys, once hashed
+    disk_namespace: int = 0  # its block keys' namespace: salt and adapter identity
     disk_tokens: int = 0
     disk_logged: bool = False
     finish_reason: str | None = None

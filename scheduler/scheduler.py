@@ -12,6 +12,7 @@ import logging
 import time
 
 from common.cache_salt import cache_namespace, namespaced_key
+from common.kv_store.fingerprint import adapter_identity
 from common.messages import (
     AbortReq,
     BlocksLoaded,
@@ -88,7 +89,11 @@ class Scheduler:
         self.disk = None
         self.loading: dict[int, list[PlannedLoad]] = {}  # LoadBatch step -> its loads
         if worker.disk_blocks is not None and not args.disable_radix_cache:
-            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens)
+            states = worker.num_state_slots > 0
+            adapters = [adapter_identity(spec.path) for spec in args.loras]
+            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens, states, adapters)
+            if states:
+                self.kv.block_tokens = worker.disk_block_tokens
 
     # ------------------------------------------------------------ inputs
 
@@ -108,6 +113,8 @@ class Scheduler:
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
         req.lora = msg.lora
         req.namespace = cache_namespace(msg.cache_salt, msg.lora)
+        if self.disk is not None:
+            req.disk_namespace = self.disk.namespace(msg.cache_salt, msg.lora)
         req.priority_len = max(0, min(msg.priority_prefix_len, len(req.input_ids)))
         req.images = msg.images
         self.reqs[req.rid] = req
@@ -523,8 +530,9 @@ class Scheduler:
         return self.running + ([self.chunked] if self.chunked else [])
 
     def check_invariants(self) -> None:
-        loading = [s for ps in self.loading.values() for p in ps for x in p.loads for s in x.slots]
-        self.kv.check_invariants(self.holders(), loading)
+        loads = [x for ps in self.loading.values() for p in ps for x in p.loads]
+        states = [x.state_slot for x in loads if x.state_slot]
+        self.kv.check_invariants(self.holders(), [s for x in loads for s in x.slots], states)
 
     @property
     def busy(self) -> bool:

@@ -5,7 +5,7 @@ only some, and forgets refused and dropped keys."""
 
 from __future__ import annotations
 
-from common.kv_store.block_keys import block_keys, root_key
+from common.kv_store.block_keys import block_keys, root_key, state_key
 from common.messages import BlocksLoaded, DiskReport, SamplingParams, WorkerError
 from scheduler.cache import KVCacheManager
 from scheduler.disk_tier import DiskIndex
@@ -99,3 +99,76 @@ def test_prefetch_takes_at_most_half_the_pool_ahead_of_admission():
     assert disk.plan([a, b], kv) == []  # a's blocks wait for its admission
     a.cached_tokens = 24  # admitted
     assert [p.req for p in disk.plan([b], kv)] == [b]
+
+
+def _recurrent(keys: list[str]) -> tuple[KVCacheManager, DiskIndex]:
+    """A recurrent model's cache (state slots) with the tier's block snapshots on."""
+    kv = KVCacheManager(96, 4, False, debug=True, num_state_slots=8)
+    kv.block_tokens = B
+    return kv, DiskIndex(keys, B, states=True)
+
+
+def test_recurrent_prompt_snapshots_its_last_block_end_and_saves_it():
+    kv, disk = _recurrent([])
+    tokens = list(range(700, 722))  # two whole blocks and a tail: block end 16
+    req = Req("a", tokens, SamplingParams(max_new_tokens=1))
+    adm = kv.admit(req, len(tokens))
+    assert [at for at, _ in adm.snapshots] == [16, 21]  # the block end, all but the last
+    kv.cache_unfinished(req)
+    kv.release(req, keep=True)
+    disk.save_finished(kv, req, tokens)
+    saves, _ = disk.take_saves()
+    snapshot = kv.tree.match_snapshot(tokens[:16]).snapshot
+    assert [s.state_slot for s in saves] == [0, snapshot] and snapshot
+    assert state_key(saves[1].key) in disk.keys and state_key(saves[0].key) not in disk.keys
+    kv.check_invariants([])
+
+
+def test_recurrent_load_stops_at_the_last_stored_state_and_resumes_there():
+    tokens = list(range(800, 834))  # four whole blocks of the head
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = _recurrent(keys + [state_key(keys[1])])  # a state after block 1 only
+    req = Req("r", tokens, SamplingParams(max_new_tokens=4))
+    [plan] = disk.plan([req], kv)
+    assert [x.key for x in plan.loads] == keys[:2]
+    state = plan.loads[-1].state_slot
+    assert state and plan.loads[0].state_slot == 0
+    kv.check_invariants([], [s for x in plan.loads for s in x.slots], [state])
+    disk.loaded(kv, [plan], BlocksLoaded(1, loaded=2))
+    kv.check_invariants([])
+    m = kv.tree.match_snapshot(tokens[:-1])
+    assert (len(m.slot_ids), m.snapshot) == (2 * B, state)  # admission resumes there
+
+
+def test_recurrent_load_cut_short_frees_its_state_slot():
+    tokens = list(range(900, 918))
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = _recurrent(keys + [state_key(k) for k in keys])
+    free = kv.states.available_size()
+    [plan] = disk.plan([Req("r", tokens, SamplingParams(max_new_tokens=4))], kv)
+    disk.loaded(kv, [plan], BlocksLoaded(1, loaded=1))  # the last block (or its state) failed
+    kv.check_invariants([])
+    assert kv.states.available_size() == free
+    assert kv.tree.match_snapshot(tokens).snapshot == 0  # KV without a state: not resumed
+    assert keys[1] not in disk.keys and state_key(keys[1]) not in disk.keys
+
+
+def test_recurrent_pool_kv_past_its_last_snapshot_is_loaded_again_with_the_state():
+    tokens = list(range(1000, 1018))
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = _recurrent(keys + [state_key(keys[1])])
+    kv.tree.insert(tokens[:12], kv.allocator.alloc(12))  # KV, no snapshot: not resumable
+    [plan] = disk.plan([Req("r", tokens, SamplingParams(max_new_tokens=4))], kv)
+    assert [(x.offset, len(x.slots)) for x in plan.loads] == [(0, B), (0, B)]
+    disk.loaded(kv, [plan], BlocksLoaded(1, loaded=2))
+    kv.check_invariants([])  # the loaded copies of the pool's 12 tokens were freed
+    assert len(kv.tree.match_snapshot(tokens[:-1]).slot_ids) == 2 * B
+
+
+def test_recurrent_blocks_used_again_touch_their_stored_states_too():
+    tokens = list(range(1100, 1118))
+    keys = block_keys(tokens, 0, B)
+    kv, disk = _recurrent(keys + [state_key(keys[1])])
+    _finished(kv, disk, "a", tokens)
+    _, touched = disk.take_saves()
+    assert set(keys) | {state_key(keys[1])} <= set(touched)  # a hot prefix keeps its state

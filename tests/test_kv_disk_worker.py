@@ -11,11 +11,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from common.kv_store.block_keys import block_key, root_key
+from common.kv_store.block_keys import block_key, root_key, state_key
 from common.kv_store.file_store import FileBlockStore
 from common.messages import BlockLoad, BlockSave
 from worker_mlx.kv_disk import DiskTier
 from worker_mlx.kv_pool import KVLayout, MlxKVPool
+from worker_mlx.state_pool import StateLayout, StatePool
 
 B = 8
 
@@ -90,3 +91,73 @@ def test_a_slow_read_does_not_hold_the_mlx_thread(tmp_path):
     [answer] = _answers(tier)
     assert answer.loaded == 1 and tier.loading == 0  # the unknown block ends the load
     assert tier.report().errors == {"missing": 1}
+
+
+def _states() -> StatePool:
+    layout = StateLayout(((((3, 4), mx.float32), ((2, 5), mx.bfloat16)),))  # one layer
+    states = StatePool(layout, 6)
+    rng = np.random.default_rng(1)
+    values = [
+        mx.array(rng.standard_normal((1, *shape)).astype(np.float32))
+        for shape, _ in layout.entries[0]
+    ]
+    states.write(0, mx.array([2]), values)
+    mx.eval(states.all())
+    return states
+
+
+def test_a_state_after_a_block_loads_back_into_another_slot(tmp_path):
+    """The state saved with a block (its own entry) comes back bit for bit into the load's
+    state slot; --debug-invariants reads the installed block and state back."""
+    pool, states = _pool("auto"), _states()
+    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B, states, verify=True)
+    tokens = list(range(50, 50 + B))
+    key = block_key(root_key(0), tokens)
+    tier.save([BlockSave(key, root_key(0), tokens, list(range(1, B + 1)), state_slot=2)])
+    tier.drain()
+    assert set(tier.store.keys()) == {key, state_key(key)}
+    tier.submit(3, [BlockLoad(key, 0, list(range(20, 20 + B)), state_slot=5)])
+    assert _answers(tier)[0].loaded == 1
+    for a in states.all():
+        assert np.array_equal(np.array(a[2].astype(mx.float32)), np.array(a[5].astype(mx.float32)))
+        assert not np.array_equal(
+            np.array(a[2].astype(mx.float32)), np.array(a[4].astype(mx.float32))
+        )
+    tier.store._forget(state_key(key), unlink=True)  # the state is gone: the block refused
+    tier.submit(4, [BlockLoad(key, 0, list(range(30, 30 + B)), state_slot=4)])
+    assert _answers(tier)[0].loaded == 0
+    assert tier.report().errors == {"missing": 1}
+
+
+def test_a_draft_models_kv_travels_in_the_same_block(tmp_path):
+    """With a draft model (its pool has the same slot ids) a block holds both models'
+    KV, and a load writes each into its own pool."""
+    pool = _pool("auto")
+    draft = MlxKVPool(KVLayout(1, 1, 32, mx.float32), 64)
+    k = mx.array(np.random.default_rng(2).standard_normal((B, 1, 32)).astype(np.float32))
+    draft.write(0, mx.arange(1, B + 1), k, -k)
+    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B, verify=True, draft=draft)
+    tokens = list(range(60, 60 + B))
+    key = block_key(root_key(0), tokens)
+    tier.save([BlockSave(key, root_key(0), tokens, list(range(1, B + 1)))])
+    tier.drain()
+    tier.submit(7, [BlockLoad(key, 2, list(range(30, 30 + B - 2)))])
+    assert _answers(tier)[0].loaded == 1
+    for p in (pool, draft):
+        for a, b in zip(_stored(p, list(range(3, B + 1))), _stored(p, list(range(30, 36)))):
+            assert np.array_equal(a, b) and a.any()
+
+
+def test_debug_invariants_catch_a_block_installed_wrong(tmp_path, monkeypatch):
+    """--debug-invariants reads every installed block back: a copy that did not land
+    (here: the pool's write dropped) fails loudly instead of serving zeros."""
+    pool = _pool("auto")
+    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B, verify=True)
+    tokens = list(range(70, 70 + B))
+    key = block_key(root_key(0), tokens)
+    tier.save([BlockSave(key, root_key(0), tokens, list(range(1, B + 1)))])
+    tier.drain()
+    monkeypatch.setattr(pool, "write_parts", lambda *args: None)
+    tier.submit(8, [BlockLoad(key, 0, list(range(40, 40 + B)))])
+    with pytest.raises(AssertionError, match="the pool differs"):
+        _answers(tier)

@@ -10,8 +10,10 @@ import os
 import numpy as np
 import pytest
 
+from common.cache_salt import salt_namespace, stored_namespace
 from common.kv_store.block_keys import block_key, block_keys, root_key
 from common.kv_store.file_store import FileBlockStore
+from common.kv_store.fingerprint import adapter_identity
 from common.kv_store.store import BlockError
 
 TOKENS = list(range(100, 116))
@@ -152,3 +154,19 @@ def test_a_killed_writers_temporary_file_is_never_a_block(tmp_path):
     os.utime(partial, (0, 0))
     FileBlockStore(tmp_path, "fp1", budget=1 << 20)
     assert not partial.exists()  # old: removed at start-up
+
+
+def test_an_adapters_namespace_follows_its_files_not_its_place(tmp_path):
+    """The disk's namespace of a LoRA adapter: equal for the same files anywhere, apart
+    for another adapter's and from the base's (and the base's is the trie's own)."""
+    dirs = []
+    for name, weights in (("x", b"w1"), ("y", b"w1"), ("z", b"w2")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text('{"lora_parameters": {"scale": 2.0}}')
+        (d / "adapters.safetensors").write_bytes(weights)
+        dirs.append(d)
+    x, y, z = (stored_namespace(None, adapter_identity(d)) for d in dirs)
+    assert x == y and x != z and 0 not in (x, z)
+    assert stored_namespace(None, "") == 0 and stored_namespace("s", "") == salt_namespace("s")
+    assert stored_namespace("s", adapter_identity(dirs[0])) not in (x, salt_namespace("s"))

@@ -8,8 +8,19 @@ waits for a file write, only for that copy. A load (LoadBatch) is read and check
 reader thread while the MLX thread goes on with its steps; between two steps the MLX
 thread writes what was read into the pool (`install_ready`) and answers BlocksLoaded.
 
-Which models use the tier is decided here (`unsupported`): the pool's KV alone must be
-the whole of a prefix's cache, and the pool must be one process's.
+A model with recurrent layers also stores the state after a block's last token, when the
+scheduler names one (`BlockSave.state_slot`), as an entry of its own (`state_key`), and
+a load's last block brings it back into the state slot the scheduler chose.
+
+With a draft model (--speculative-algorithm draft), whose pool has the same slot ids, a
+block holds the draft's KV of its tokens too, after the target's: a prefix loaded from
+disk is then there for the draft as a pool hit is.
+
+Which models use the tier is decided here (`unsupported`): the pools' KV and states must
+be the whole of a prefix's cache, and the pool must be one process's.
+
+With --debug-invariants every installed block is read back from the pool and compared
+with the bytes the store verified (its checksum), so a wrong copy fails loudly.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from common.kv_store.block_keys import state_key
 from common.kv_store.file_store import FileBlockStore
 from common.kv_store.fingerprint import fingerprint
 from common.kv_store.store import BlockError, BlockStore
@@ -33,6 +45,7 @@ from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from common.server_args import ServerArgs
 from common.sizes import format_size, parse_size
 from worker_mlx.kv_pool import MlxKVPool
+from worker_mlx.state_pool import StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +55,8 @@ RESCAN_SECONDS = 5.0
 EXIT_DRAIN_SECONDS = 3.0
 
 
-def unsupported(args: ServerArgs, has_states: bool) -> str | None:
+def unsupported(args: ServerArgs) -> str | None:
     """Why this server cannot use the tier yet (None: it can)."""
-    if has_states:
-        return "recurrent layers (their states at block ends are not stored yet)"
-    if args.speculative_algorithm == "draft":
-        return "a draft model (its own pool would miss the loaded blocks)"
     if args.group_size > 1:
         return "a distributed worker (each rank holds a share of the pool)"
     return None
@@ -61,33 +70,50 @@ def default_budget(root: Path) -> int:
     return min(shutil.disk_usage(probe).free // 10, MAX_DEFAULT_BUDGET)
 
 
-def open_tier(args: ServerArgs, pool: MlxKVPool, has_states: bool) -> DiskTier | None:
+def open_tier(
+    args: ServerArgs, pool: MlxKVPool, states: StatePool | None, draft: MlxKVPool | None = None
+) -> DiskTier | None:
     """The tier --kv-disk-dir asks for, or None (off, or a model it does not serve yet:
-    one log line says which)."""
+    one log line says which). `states`: a recurrent model's state pool; `draft`: the
+    draft model's pool."""
     if not args.kv_disk_dir:
         return None
-    why = unsupported(args, has_states)
+    why = unsupported(args)
     if why is not None:
         logger.warning("--kv-disk-dir is ignored for this model: %s", why)
         return None
     root = Path(args.kv_disk_dir)
     budget = parse_size(args.kv_disk_budget) if args.kv_disk_budget else default_budget(root)
     block = args.kv_disk_block_tokens
-    print_ = fingerprint(args.model_path, repr(pool.layout), block)
+    layout = repr(pool.layout) + (f" states={states.layout!r}" if states is not None else "")
+    if draft is not None:  # its KV is in every block: its weights decide reuse too
+        draft_print = fingerprint(args.speculative_draft_model_path, repr(draft.layout), block)
+        layout += f" draft={draft_print}"
+    print_ = fingerprint(args.model_path, layout, block)
     store = FileBlockStore(root, print_, budget)
     used, blocks = store.usage()
     logger.info(
         "kv disk tier: %s, %d blocks of %d tokens (%s of %s)",
         store.dir, blocks, block, format_size(used), format_size(budget),
     )  # fmt: skip
-    return DiskTier(store, pool, block)
+    return DiskTier(store, pool, block, states, verify=args.debug_invariants, draft=draft)
+
+
+def _token_bytes(arrays: list[mx.array]) -> list[int]:
+    """Per array, the bytes of one slot (its first axis indexes slots)."""
+    return [a.dtype.size * int(np.prod(a.shape[1:])) for a in arrays]
 
 
 class DiskTier:
-    def __init__(self, store: BlockStore, pool: MlxKVPool, block_tokens: int):
+    def __init__(
+        self, store: BlockStore, pool: MlxKVPool, block_tokens: int,
+        states: StatePool | None = None, verify: bool = False, draft: MlxKVPool | None = None,
+    ):  # fmt: skip
         self.store = store
-        self.pool = pool
+        self.pools = [pool] if draft is None else [pool, draft]  # a block's KV, in order
         self.block_tokens = block_tokens
+        self.states = states
+        self.verify = verify  # --debug-invariants: installed blocks are read back
         self._lock = threading.Lock()
         self._errors: Counter[str] = Counter()
         self._reads: list[float] = []
@@ -95,10 +121,10 @@ class DiskTier:
         self._added: list[str] = []
         self._scanned = time.monotonic()
         self._last_state = None
-        # per pool part (layer by layer, K's parts then V's), the bytes of one token
-        self._part_bytes = [
-            p.dtype.size * int(np.prod(p.shape[1:])) for layer in pool.parts for p in layer
-        ]
+        # per pool part (pool by pool, layer by layer, K's parts then V's), the bytes of
+        # one token, and per state array, the bytes of one state slot
+        self._part_bytes = _token_bytes(self._parts())
+        self._state_bytes = _token_bytes(states.all()) if states is not None else []
         self.loading = 0  # LoadBatches submitted and not answered yet
         self._queue: queue.Queue = queue.Queue()
         self._reads_queue: queue.Queue = queue.Queue()
@@ -119,11 +145,18 @@ class DiskTier:
         gathered = []
         for b in blocks:
             idx = mx.array(b.slots, dtype=mx.int32)
-            gathered.append([p[idx] for layer in self.pool.parts for p in layer])
+            gathered.append([p[idx] for p in self._parts()])
+            if b.state_slot and self.states is not None:  # the state after its last token
+                gathered[-1] += [a[b.state_slot] for a in self.states.all()]
         mx.eval(gathered)
+        n = len(self._part_bytes)
         for b, parts in zip(blocks, gathered):
-            arrays = {f"p{i}": np.array(p.view(mx.uint8)) for i, p in enumerate(parts)}
-            self._queue.put((b.key, b.parent, b.tokens, arrays))
+            raw = [np.array(p.view(mx.uint8)) for p in parts]
+            kv = {f"p{i}": r for i, r in enumerate(raw[:n])}
+            self._queue.put((b.key, b.parent, b.tokens, kv))
+            if len(raw) > n:  # after its block: a state is only ever read with it
+                arrays = {f"s{i}": r for i, r in enumerate(raw[n:])}
+                self._queue.put((state_key(b.key), b.key, [], arrays))
 
     def _write_loop(self) -> None:
         while True:
@@ -197,17 +230,23 @@ class DiskTier:
                     self._errors["missing"] += 1
             self._read_done.put((step, blocks))
 
-    def _read(self, load: BlockLoad) -> list[np.ndarray]:
-        """The block's raw parts, checked against this pool's layout (the reader thread:
-        no MLX here)."""
+    def _read(self, load: BlockLoad) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The block's raw parts and (`load.state_slot`) the state stored after it,
+        checked against this pool's layout (the reader thread: no MLX here)."""
         block = self.store.get(load.key)
         B = self.block_tokens
         if len(block.tokens) != B or len(load.slots) + load.offset != B:
             raise BlockError("foreign", f"block {load.key}: not a block of this server's size")
-        raws = [block.arrays.get(f"p{i}") for i in range(len(self._part_bytes))]
-        if any(r is None or r.size != B * n for r, n in zip(raws, self._part_bytes)):
+        raws = _raw_arrays(block.arrays, "p", [B * n for n in self._part_bytes])
+        if raws is None:
             raise BlockError("foreign", f"block {load.key}: not this pool's layout")
-        return raws
+        if not load.state_slot:
+            return raws, []
+        stored = self.store.get(state_key(load.key))
+        states = _raw_arrays(stored.arrays, "s", self._state_bytes) if self.states else None
+        if stored.tokens or stored.parent != load.key or states is None:
+            raise BlockError("foreign", f"state after block {load.key}: not this model's layout")
+        return raws, states
 
     def install_ready(self) -> list[BlocksLoaded]:
         """Write the blocks the reader has read into their slots (the MLX thread, between
@@ -218,22 +257,44 @@ class DiskTier:
                 step, blocks = self._read_done.get_nowait()
             except queue.Empty:
                 return answers
-            stored = [p for layer in self.pool.parts for p in layer]
-            per_layer = len(self.pool.parts[0])
-            for load, raws in blocks:
-                idx = mx.array(load.slots, dtype=mx.int32)
-                parts = [
-                    mx.array(raw)
-                    .view(p.dtype)
-                    .reshape(self.block_tokens, *p.shape[1:])[load.offset :]
-                    for raw, p in zip(raws, stored)
-                ]
-                for layer in range(len(self.pool.parts)):
-                    cut = parts[layer * per_layer : (layer + 1) * per_layer]
-                    self.pool.write_parts(layer, idx, cut)
-            mx.eval(self.pool.arrays())
+            for load, (raws, states) in blocks:
+                self._install(load, raws, states)
+            mx.eval([a for pool in self.pools for a in pool.arrays()])
+            mx.eval(self.states.all() if self.states else [])
+            if self.verify:
+                for load, (raws, states) in blocks:
+                    self._check_installed(load, raws, states)
             self.loading -= 1
             answers.append(BlocksLoaded(step, len(blocks)))
+
+    def _install(self, load: BlockLoad, raws: list[np.ndarray], states: list[np.ndarray]):
+        """A block's tokens from `load.offset` on into `load.slots` (and its state)."""
+        idx = mx.array(load.slots, dtype=mx.int32)
+        parts = [
+            mx.array(raw).view(p.dtype).reshape(self.block_tokens, *p.shape[1:])[load.offset :]
+            for raw, p in zip(raws, self._parts())
+        ]
+        for pool in self.pools:
+            for layer, stored in enumerate(pool.parts):
+                pool.write_parts(layer, idx, parts[: len(stored)])
+                parts = parts[len(stored) :]
+        for raw, a in zip(states, self.states.all() if states else []):
+            a[load.state_slot] = mx.array(raw).view(a.dtype).reshape(a.shape[1:])
+
+    def _check_installed(self, load: BlockLoad, raws, states) -> None:
+        """--debug-invariants: the pool now holds exactly the verified bytes."""
+        idx = mx.array(load.slots, dtype=mx.int32)
+        for raw, p, n in zip(raws, self._parts(), self._part_bytes):
+            got = np.array(p[idx].view(mx.uint8)).reshape(-1)
+            if not np.array_equal(got, raw.reshape(-1)[load.offset * n :]):
+                raise AssertionError(f"block {load.key}: the pool differs from the block read")
+        for raw, a in zip(states, self.states.all() if states else []):
+            if not np.array_equal(np.array(a[load.state_slot].view(mx.uint8)).reshape(-1), raw):
+                raise AssertionError(f"state after block {load.key}: the pool differs")
+
+    def _parts(self) -> list[mx.array]:
+        """Every pool's stored arrays, in a block's order."""
+        return [p for pool in self.pools for layer in pool.parts for p in layer]
 
     # ------------------------------------------------------------ report
 
@@ -254,3 +315,12 @@ class DiskTier:
             return None
         self._last_state = state
         return news
+
+
+def _raw_arrays(arrays: dict[str, np.ndarray], prefix: str, sizes: list[int]):
+    """`prefix`0, 1, ... of a stored entry as flat bytes, or None unless there are exactly
+    that many, of those sizes."""
+    raws = [arrays.get(f"{prefix}{i}") for i in range(len(sizes))]
+    if len(arrays) != len(sizes) or any(r is None or r.size != n for r, n in zip(raws, sizes)):
+        return None
+    return [r.reshape(-1) for r in raws]

@@ -71,7 +71,8 @@ def run_worker(
         ready.embedding_dim = embedder.dim
         ready.embedding_normalized = embedder.pooling.normalize
     ready.generates = not getattr(runner.model, "headless", False)
-    disk = open_tier(args, runner.pool, runner.states is not None)
+    drafter = getattr(getattr(engine, "proposer", None), "runner", None)  # a draft model's
+    disk = open_tier(args, runner.pool, runner.states, drafter.pool if drafter else None)
     if disk is not None:
         ready.disk_blocks, ready.disk_block_tokens = disk.store.keys(), disk.block_tokens
     # not in a group: each rank's own count could refuse a step the others run

@@ -32,3 +32,10 @@ def block_keys(tokens: list[int], namespace: int, block_tokens: int) -> list[str
         parent = block_key(parent, tokens[start : start + block_tokens])
         keys.append(parent)
     return keys
+
+
+def state_key(key: str) -> str:
+    """Where a recurrent model stores its state after block `key`: an entry of its own,
+    chained to the block with no tokens (so the store's check that an entry's tokens hash
+    to its key holds), which never equals a block's key."""
+    return block_key(key, [])
