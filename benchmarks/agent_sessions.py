@@ -145,8 +145,9 @@ def params_from_args(args: argparse.Namespace) -> dict:
 
 
 def summary_lines(results: list) -> list[str]:
-    """What the targets leave out, for the report: the working set and each server's pool
-    and cached share (the no-tier one is the figure the issue asks to report)."""
+    """What the targets leave out, for the report: the working set and each server's pool,
+    cached share (the no-tier one is the figure the issue asks to report) and the
+    figures the targets divide."""
     lines = []
     for run, m in results:
         if run.workload.name != WORKLOAD:
@@ -156,5 +157,7 @@ def summary_lines(results: list) -> list[str]:
             lines.append(f"agent-sessions: working set {ws} tokens")
         flags = server_flags(run.backend, run.workload)
         pool = flags[1] if flags else "?"
-        lines.append(f"  {run.backend}: cached share {m['cached_share']:.3f} (pool {pool} tokens)")
+        lines.append(f"  {run.backend}: cached share {m['cached_share']:.3f}, TTFT p50 "
+                     f"{m['median_ttft_ms']:.1f} ms, ITL p99 {m['p99_itl_ms']:.1f} ms (pool "
+                     f"{pool} tokens)")  # fmt: skip
     return lines
