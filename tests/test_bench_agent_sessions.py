@@ -5,6 +5,8 @@ counted here from the prompts themselves. The figures are the benchmark's."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from benchmarks.agent_sessions import (
@@ -99,3 +101,25 @@ def test_a_pool_too_small_for_the_running_requests_is_refused():
         check_fits(PARAMS, 2)
     (load,) = suite()
     check_fits(load.spec.params, load.concurrencies[0])  # the default suite fits
+
+
+@pytest.mark.slow
+def test_the_disk_tier_server_gets_its_pool_and_directory(tiny_model, tmp_path):
+    """One real server of the suite, radix-mlx-disk-tier, on a load sized for the tiny
+    model: the benchmark gives it the workload's small pool and a tier directory, and
+    the sessions' later turns come back from disk."""
+    from benchmarks.serving import main
+
+    sizes = dict(sessions=6, turns=3, system_len=16, task_len=96, result_len=64,
+                 message_len=16, output_len=4, pool_multiple=4.0)  # fmt: skip
+    argv = ["--workload", WORKLOAD, "--backend", DISK_TIER, "--model-path", tiny_model,
+            "--max-concurrency", "1", "--output-dir", str(tmp_path), "--no-plots",
+            "--no-progress", "--result-file", str(tmp_path / "serving.jsonl")]  # fmt: skip
+    for name, value in sizes.items():
+        argv += ["--as-" + name.replace("_", "-"), str(value)]
+    assert main(argv) == 0
+    log = (tmp_path / "logs" / f"{DISK_TIER}.log").read_text()
+    assert f"KV pool: {pool_tokens(sizes)} tokens" in log  # a quarter of the working set
+    assert "kv disk tier:" in log
+    loaded = [int(n) for n in re.findall(r"#disk-cached-token: (\d+)", log)]
+    assert sum(loaded) >= 64 * 6  # each session's history, evicted from the pool, came back
