@@ -111,9 +111,11 @@ def run_server(server: str, model: str, turns: list[list[Prompt]], f, args) -> d
         s, ep = start(server, model, args, work / "cache", home, 1)
         try:
             history = [t[0].text for t in turns]
+            answered = []  # the first session's turns with their answers
             for k in range(1, len(turns[0])):  # round k: every session's k-th turn
                 for i, session in enumerate(turns):
                     answer = first_token(http, ep.url, history[i], name)["text"]
+                    answered += [history[i] + answer] if i == 0 else []
                     history[i] += answer + session[k].text
         finally:
             s.stop()
@@ -128,10 +130,23 @@ def run_server(server: str, model: str, turns: list[list[Prompt]], f, args) -> d
             s.stop()
         ratio = restart["seconds"] / cold_run["seconds"]
         return {"restart": restart, "cold": cold_run, "ratio": ratio, "log": str(s.log_path),
-                "cache_bytes": _du(work / "cache")}  # fmt: skip
+                "cache_bytes": _du(work / "cache"),
+                "answers_kept": answers_kept(f.tokenizer, answered, old)}  # fmt: skip
     finally:
         http.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def answers_kept(tokenizer, answered: list[str], final: str) -> bool:
+    """Whether every answer, carried as text, re-tokenizes to one token that the next
+    turn's tokens keep: then a cache keyed by prompt + output ids can match the next
+    turn (vllm-mlx's entries are; radix-mlx's blocks are too, block by block)."""
+    ids = tokenizer.encode(final)
+    for text in answered:
+        with_answer = tokenizer.encode(text)
+        if ids[: len(with_answer)] != with_answer:
+            return False
+    return True
 
 
 def _du(path: Path) -> int:
@@ -150,7 +165,7 @@ def report(results: dict[str, dict | str]) -> str:
         lines.append(
             f"  {server}: {rs['seconds']:.3f} s ({rs['prompt_tokens']} prompt tokens, {cached}) "
             f"÷ cold {cold['seconds']:.3f} s = {r['ratio']:.3f}; {r['cache_bytes'] / 2**20:.0f} "
-            f"MiB in its cache directory"
+            f"MiB in its cache directory; answers kept as tokens: {r['answers_kept']}"
         )
     return "\n".join(lines)
 
