@@ -115,7 +115,7 @@ def run_server(server: str, model: str, turns: list[list[Prompt]], f, args) -> d
             for k in range(1, len(turns[0])):  # round k: every session's k-th turn
                 for i, session in enumerate(turns):
                     answer = first_token(http, ep.url, history[i], name)["text"]
-                    answered += [history[i] + answer] if i == 0 else []
+                    answered += [(history[i], answer)] if i == 0 else []
                     history[i] += answer + session[k].text
         finally:
             s.stop()
@@ -137,14 +137,17 @@ def run_server(server: str, model: str, turns: list[list[Prompt]], f, args) -> d
         shutil.rmtree(work, ignore_errors=True)
 
 
-def answers_kept(tokenizer, answered: list[str], final: str) -> bool:
-    """Whether every answer, carried as text, re-tokenizes to one token that the next
-    turn's tokens keep: then a cache keyed by prompt + output ids can match the next
-    turn (vllm-mlx's entries are; radix-mlx's blocks are too, block by block)."""
+def answers_kept(tokenizer, answered: list[tuple[str, str]], final: str) -> bool:
+    """Whether every turn's prompt tokens followed by its answer's own token come again
+    at the start of the last turn's tokens, once the answers are carried as text. A
+    cache keyed by prompt + output ids needs it to match the next turn (vllm-mlx's
+    entries are keyed so); radix-mlx's blocks lose only the block holding the answer.
+    A random-weight model's answer is often a piece that merges with the word before
+    it when re-tokenized."""
     ids = tokenizer.encode(final)
-    for text in answered:
-        with_answer = tokenizer.encode(text)
-        if ids[: len(with_answer)] != with_answer:
+    for before, answer in answered:
+        expected = tokenizer.encode(before) + tokenizer.encode(answer, add_special_tokens=False)
+        if ids[: len(expected)] != expected:
             return False
     return True
 
