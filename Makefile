@@ -96,6 +96,7 @@ bench: setup
 	$(PY) -m benchmarks.decode_floor --preset medium --context 1024 8192
 	$(PY) -m benchmarks.serving --suite standard
 	$(PY) -m benchmarks.serving --suite speculative
+	$(PY) -m benchmarks.serving --suite agent-sessions
 	$(PY) -m benchmarks.routing --preset tiny --dp-size 2
 
 clean:

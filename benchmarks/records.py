@@ -6,7 +6,7 @@ Every other benchmark module imports these from here, so none imports another fo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 # benchmarks.replay's backend: the scheduler and the worker in the benchmark's process
 INPROCESS = "radix-mlx-inprocess"
@@ -21,6 +21,22 @@ class Prompt:
 
 
 @dataclass
+class Session:
+    """Requests sent one after another: turns of a conversation, or cold then warm.
+
+    With `carry_history` each turn's prompt is the previous prompt, the answer the server
+    actually gave, and then this turn's prompt as the new user message. `history_as_text`
+    re-tokenizes that answer's text for every backend, as a text client would.
+    """
+
+    turns: list[Prompt]
+    output_lens: list[int]
+    labels: list[str]
+    carry_history: bool = False
+    history_as_text: bool = False
+
+
+@dataclass
 class WorkloadSpec:
     """A workload's name and parameters, recorded with every run."""
 
@@ -31,6 +47,16 @@ class WorkloadSpec:
         """Short id of the load, used to line runs up in the comparison."""
         short = "-".join(f"{v}" for v in self.params.values())
         return f"{self.name}[{short}]"
+
+
+class SuiteLoad(NamedTuple):
+    """One load of a suite: its workload, at these concurrencies, on these backends, on
+    the preset's looping build (outputs that repeat, `--loop`) or its plain one."""
+
+    spec: WorkloadSpec
+    concurrencies: list[int]
+    backends: tuple[str, ...]
+    loop: bool = False
 
 
 @dataclass

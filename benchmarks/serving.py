@@ -4,6 +4,7 @@
         --preset small --max-concurrency 8
     python -m benchmarks.serving --suite standard        # what `make bench` runs
     python -m benchmarks.serving --suite speculative     # n-gram speculation vs none
+    python -m benchmarks.serving --suite agent-sessions  # the disk tier (agent_sessions.py)
 
 An asyncio load generator speaking the OpenAI HTTP API (or radix-mlx's ZMQ SDK with
 `--transport sdk`). It starts each backend itself on free loopback ports (or uses
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import agent_sessions
 from benchmarks.conversations import ChatSender, ResponsesSender
 from benchmarks.peers import PEER_BACKENDS, PEERS, install_peers, peer_server, with_peers
 from benchmarks.records import INPROCESS, RunResult, WorkloadSpec
@@ -62,7 +64,8 @@ from router.serving.model_files import load_tokenizer
 from worker_mlx.backends.blas import OPENBLAS_PATHS
 
 BACKENDS = ("radix-mlx", "radix-mlx-no-cache", "mlx-lm", "radix-mlx-ngram", "radix-mlx-draft",
-            "radix-mlx-chat", "radix-mlx-responses", *PEERS, INPROCESS)  # fmt: skip
+            "radix-mlx-chat", "radix-mlx-responses", *agent_sessions.BACKENDS, *PEERS,
+            INPROCESS)  # fmt: skip
 ALIASES = {"mlx_lm.server": "mlx-lm"}
 # radix-mlx spoken to through the chat or the Responses API (benchmarks.conversations)
 CONVERSATION_SENDERS = {"radix-mlx-chat": ChatSender, "radix-mlx-responses": ResponsesSender}
@@ -84,6 +87,12 @@ class Endpoint:
     pid: int | None = None  # a server the bench started: its CPU is not "other work"
     model: str = ""  # the model path, for a peer that wants it named in every request
     engine: InProcessEngine | None = None  # INPROCESS: scheduler and worker in this process
+
+
+# each suite's loads; agent-sessions is sized by its --as-* flags
+SUITES = {"standard": lambda args: standard_suite(),
+          "speculative": lambda args: speculative_suite(),
+          "agent-sessions": agent_sessions.suite}  # fmt: skip
 
 
 @dataclass
@@ -121,6 +130,8 @@ class ManagedServer(ServerProcess):
                 cmd.append("--disable-radix-cache")
             if backend == "radix-mlx-ngram":
                 cmd += ["--speculative-algorithm", "ngram"]
+            if backend in agent_sessions.DISK_TIER_BACKENDS:  # removed with the HF cache
+                cmd += ["--kv-disk-dir", os.path.join(self.hf_cache, "kv-disk")]
         # fmt: on
         url = f"http://127.0.0.1:{self.port}"
         super().__init__(cmd, url, log_dir / f"{backend}.log", env)
@@ -226,7 +237,7 @@ async def warm_up(ep: Endpoint, transport: str, tokenizer, n: int) -> None:
 def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
     """The suite's runs, or the one workload from the flags on each chosen backend."""
     if args.suite:
-        suite = standard_suite() if args.suite == "standard" else speculative_suite()
+        suite = SUITES[args.suite](args)
         return [
             PlannedRun(b, load.spec, c, load.loop)
             for load in suite
@@ -236,6 +247,9 @@ def plan_runs(args: argparse.Namespace) -> list[PlannedRun]:
     backends = BACKENDS[:3] if args.backend == ["all"] else tuple(args.backend)
     spec = spec_from_args(args)
     concs = args.max_concurrency or [None]
+    if spec.name == agent_sessions.WORKLOAD:
+        for c in concs:
+            agent_sessions.check_fits(spec.params, c)
     return [PlannedRun(b, spec, c, args.loop) for b in backends for c in concs]
 
 
@@ -291,7 +305,8 @@ async def run_backend(
     elif args.base_url:
         ep = Endpoint(backend, args.base_url.rstrip("/"), args.zmq_address)
     else:
-        extra = list(args.server_args)
+        # the workload's pool size first: --server-args can override it
+        extra = agent_sessions.server_flags(backend, runs[0].spec) + list(args.server_args)
         if backend == "radix-mlx-draft":
             extra += ["--speculative-algorithm", "draft"]
             extra += ["--speculative-draft-model-path", args.draft_model_path]
@@ -339,9 +354,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a(
         "--suite",
-        choices=["standard", "speculative"],
+        choices=sorted(SUITES),
         help="the issues' target runs (standard: on the small model; speculative: on the "
-        "medium one, see workloads.speculative_suite)",
+        "medium one, see workloads.speculative_suite; agent-sessions: the disk tier, see "
+        "benchmarks/agent_sessions.py)",
     )
     a(
         "--peers",
@@ -408,6 +424,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--agent-task-len", type=int, default=64)
     a("--agent-result-len", type=int, default=96, help="each tool result")
     a("--agent-output-len", type=int, default=32)
+    agent_sessions.add_arguments(p)
     a("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
     a("--max-concurrency", type=int, nargs="*", help="one value, or several for a sweep")
     a("--seed", type=int, default=0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import agent_sessions as agents
 from benchmarks.peers import PEER_BACKENDS, describe
 from benchmarks.plots import save_plots
 from benchmarks.records import INPROCESS, RunResult
@@ -45,10 +46,12 @@ def report(results: list[tuple[RunResult, dict]], args) -> int:
     medians = f" (each figure the median of {repeats} repeats)" if repeats > 1 else ""
     print(f"\ncomparison{medians}:\n" + comparison_table(summary))
     if args.suite:
-        targets = STANDARD_TARGETS if args.suite == "standard" else SPECULATIVE_TARGETS
+        targets = SUITE_TARGETS[args.suite]
         print(f"\nissue targets (radix-mlx, {args.preset} model; the median of the repeats' "
               "ratios):")  # fmt: skip
         print("\n".join(check_targets(results, targets)))
+    if args.suite == "agent-sessions":
+        print("\n".join(agents.summary_lines(summary)))
     if any(run.backend in PEER_BACKENDS for run, _ in results):
         print("\nwhat the peers were sent (none takes token ids or ignore_eos):\n" + describe())
     for backend, why in getattr(args, "not_installed", {}).items():
@@ -228,3 +231,20 @@ SPECULATIVE_TARGETS = [
     _decode_speedup("random c1 decode tok/s ngram ÷ none", "random", 1, 0.95),
     _decode_speedup("random c8 decode tok/s ngram ÷ none", "random", 8, 0.95),
 ]
+
+
+def _tier(label: str, num: tuple[str, str], den: tuple[str, str], op: str, bound: float):
+    return Target(label, agents.WORKLOAD, agents.SUITE_CONCURRENCY, num, den, op, bound)
+
+
+# issue 31: the disk tier on agent sessions whose working set is 4x the pool
+AGENT_SESSIONS_TARGETS = [
+    _tier("cached share, disk tier ÷ big pool", (agents.DISK_TIER, "cached_share"),
+          (agents.BIG_POOL, "cached_share"), ">=", 0.9),
+    _tier("TTFT p50, disk tier ÷ no tier", (agents.DISK_TIER, "median_ttft_ms"),
+          (agents.NO_TIER, "median_ttft_ms"), "<=", 0.35),
+    _tier("decode ITL p99 while the tier writes ÷ tier off (big pool)",
+          (agents.BIG_POOL_DISK_TIER, "p99_itl_ms"), (agents.BIG_POOL, "p99_itl_ms"), "<=", 1.1),
+]  # fmt: skip
+SUITE_TARGETS = {"standard": STANDARD_TARGETS, "speculative": SPECULATIVE_TARGETS,
+                 "agent-sessions": AGENT_SESSIONS_TARGETS}  # fmt: skip

@@ -14,32 +14,17 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-from benchmarks.records import INPROCESS, Prompt, RequestResult, WorkloadSpec
+from benchmarks.agent_sessions import WORKLOAD as AGENT_SESSIONS
+from benchmarks.agent_sessions import agent_session_sessions, params_from_args
+from benchmarks.records import INPROCESS, Prompt, RequestResult, Session, SuiteLoad, WorkloadSpec
 
 WORKLOADS = (
     "random", "generated-shared-prefix", "multi-tenant", "multi-turn", "repeat", "agent",
-    "code-edit",
+    "code-edit", AGENT_SESSIONS,
 )  # fmt: skip
 _WORD = re.compile(r" [A-Za-z]+")
-
-
-@dataclass
-class Session:
-    """Requests sent one after another: turns of a conversation, or cold then warm.
-
-    With `carry_history` each turn's prompt is the previous prompt, the answer the server
-    actually gave, and then this turn's prompt as the new user message. `history_as_text`
-    re-tokenizes that answer's text for every backend, as a text client would.
-    """
-
-    turns: list[Prompt]
-    output_lens: list[int]
-    labels: list[str]
-    carry_history: bool = False
-    history_as_text: bool = False
 
 
 class PromptFactory:
@@ -232,6 +217,7 @@ BUILDERS = {
     "repeat": repeat_sessions,
     "agent": agent_sessions,
     "code-edit": code_edit_sessions,
+    AGENT_SESSIONS: agent_session_sessions,
 }
 
 
@@ -285,6 +271,8 @@ def spec_from_args(args) -> WorkloadSpec:
             result_len=args.agent_result_len,
             output_len=args.agent_output_len,
         )
+    elif name == AGENT_SESSIONS:
+        params = params_from_args(args)
     elif name == "code-edit":
         params = dict(
             num_prompts=args.num_prompts,
@@ -302,16 +290,6 @@ def spec_from_args(args) -> WorkloadSpec:
 
 # issue 20's agent load: 8 sessions x 6 turns over a shared system prompt with tools
 AGENT = dict(sessions=8, turns=6, system_len=1024, task_len=64, result_len=96, output_len=32)
-
-
-class SuiteLoad(NamedTuple):
-    """One load of a suite: its workload, at these concurrencies, on these backends, on
-    the preset's looping build (outputs that repeat, `--loop`) or its plain one."""
-
-    spec: WorkloadSpec
-    concurrencies: list[int]
-    backends: tuple[str, ...]
-    loop: bool = False
 
 
 def standard_suite() -> list[SuiteLoad]:
