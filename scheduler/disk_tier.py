@@ -125,6 +125,7 @@ class DiskIndex:
         ahead = self.in_flight + sum(r.disk_tokens for r in waiting if r.cached_tokens < 0)
         budget = min(MAX_LOAD_TOKENS, kv.capacity // PREFETCH_SHARE - ahead)
         for req in waiting:
+            req.disk_deferred = False
             if req.disk_checked or req.rid in kv.req_to_token:
                 continue
             # the first load may take what its prompt needs (the pool holds the prompt)
@@ -132,6 +133,10 @@ class DiskIndex:
             limit = MAX_LOAD_TOKENS if alone else budget
             got = self._plan_one(req, kv, taken, limit, reserve)
             if got is None:
+                # its blocks are on disk but wait for room (or come with another's load):
+                # admitted now it would recompute them; the loads ahead of it free the
+                # budget once their prompts are admitted
+                req.disk_deferred = not req.disk_checked and bool(planned or ahead)
                 continue
             planned.append(got)
             need = sum(len(x.slots) for x in got.loads)

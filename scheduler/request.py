@@ -35,6 +35,7 @@ class Req:
     # the disk tier: whether its prompt was looked up there, and the tokens loaded for it
     disk_checked: bool = False
     disk_loading: bool = False  # its blocks are being read: not admitted meanwhile
+    disk_deferred: bool = False  # its blocks wait for loads ahead of it: not admitted yet
     disk_keys: list[str] | None = None  # its prompt's block keys, once hashed
     disk_namespace: int = 0  # its block keys' namespace: salt and adapter identity
     disk_tokens: int = 0

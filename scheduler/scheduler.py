@@ -189,7 +189,7 @@ class Scheduler:
         decode_turn = self.last_was_prefill and bool(self.running)
         if (self.waiting or self.chunked) and not decode_turn:
             prefill = build_prefill(
-                [r for r in self.waiting if not r.disk_loading] if self.loading else self.waiting,
+                [r for r in self.waiting if not (r.disk_loading or r.disk_deferred)],
                 self.chunked,
                 self.running,
                 self.kv,
@@ -536,7 +536,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        waiting = any(not r.disk_loading for r in self.waiting)  # others wait for the disk
+        # others wait for the disk
+        waiting = any(not (r.disk_loading or r.disk_deferred) for r in self.waiting)
         saves = self.disk is not None and bool(self.disk.saves or self.disk.touches)
         return bool(
             waiting or self.running or self.chunked or self.pending_release or saves

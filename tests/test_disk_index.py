@@ -80,8 +80,10 @@ def test_two_prompts_of_one_prefix_load_it_once():
     b = Req("b", shared + [3, 4], SamplingParams(max_new_tokens=4))
     planned = disk.plan([a, b], kv)
     assert [p.req for p in planned] == [a] and not b.disk_checked
+    assert b.disk_deferred and not a.disk_deferred  # admitted now, b would recompute them
     disk.loaded(kv, planned, BlocksLoaded(1, loaded=2))
     assert disk.plan([b], kv) == []  # b now matches them in the pool
+    assert not b.disk_deferred
     assert len(kv.tree.match_prefix(b.input_ids).slot_ids) == 2 * B
     _check(kv)
 
@@ -94,11 +96,20 @@ def test_prefetch_takes_at_most_half_the_pool_ahead_of_admission():
     b = Req("b", b_tokens, SamplingParams(max_new_tokens=4))
     planned = disk.plan([a, b], kv)
     assert [p.req for p in planned] == [a] and not b.disk_checked  # 24 + 24 > 64 / 2
-    assert disk.plan([a, b], kv) == []  # a's load is in flight
+    assert b.disk_deferred  # b waits for the room a's admission frees, not recomputes
+    assert disk.plan([a, b], kv) == [] and b.disk_deferred  # a's load is in flight
     disk.loaded(kv, planned, BlocksLoaded(1, loaded=3))
-    assert disk.plan([a, b], kv) == []  # a's blocks wait for its admission
+    assert disk.plan([a, b], kv) == [] and b.disk_deferred  # a's blocks await admission
     a.cached_tokens = 24  # admitted
-    assert [p.req for p in disk.plan([b], kv)] == [b]
+    assert [p.req for p in disk.plan([b], kv)] == [b] and not b.disk_deferred
+
+
+def test_a_prompt_with_nothing_ahead_of_it_is_never_held_back():
+    tokens = list(range(700, 725))
+    keys = block_keys(tokens[:-1], 0, B)
+    kv, disk = KVCacheManager(16, 4, False, debug=True), DiskIndex(keys, B)  # no room
+    req = Req("r", tokens, SamplingParams(max_new_tokens=4))
+    assert disk.plan([req], kv) == [] and not req.disk_deferred  # no load would free any
 
 
 def _recurrent(keys: list[str]) -> tuple[KVCacheManager, DiskIndex]:
