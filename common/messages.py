@@ -38,14 +38,16 @@ from radix_mlx.messages import (  # noqa: F401
 @dataclass
 class ImagePart:
     """An image of a vision model's prompt (common/image_keys.py, worker_mlx/mrope.py): its
-    placeholder run starts at token `start` of the whole prompt, `grid` is the processor's
-    (t, h, w) patch grid, every token of the run is `pad` in the input ids, and `pixels`
-    are the processor's pixel values (float32, one row per patch), empty when the worker
-    does not need them (the run is cached, or its vision embeddings are)."""
+    placeholder run of `length` tokens starts at token `start` of the whole prompt, `grid`
+    is its (t, h, w) grid (common/vision_layout.py), `key` is the SHA-256 digest of its
+    bytes, the run's tokens in the input ids are `pad_values(key, vocab, length)`, and
+    `pixels` are the processor's pixel values (float32), empty when the worker does not
+    need them (the run is cached, or its vision embeddings are)."""
 
     start: int
     grid: list[int]
-    pad: int
+    length: int
+    key: bytes
     pixels: bytes = b""
 
 

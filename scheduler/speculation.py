@@ -34,6 +34,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+from common.image_keys import run_ids
 from common.messages import StepResult, WorkerReady
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
@@ -154,7 +155,7 @@ class NgramSpeculation:
         room = min(req.remaining_new_tokens - 1, context_len - len(fill) - 1)
         draft = state.index.propose(min(self.k, room)) if room > 0 else []
         if req.images:  # an image's pad values are prompt tokens, never a draft
-            pads = {image.pad for image in req.images}
+            pads = run_ids(req.input_ids, req.images)
             draft = list(itertools.takewhile(lambda t: t not in pads, draft))
         if state.drafting:
             return draft

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+from common.image_keys import stray_pads
 from common.messages import InvalidParam, Output, SamplingParams
 from router.api.chat_format import ChatFormat, template_messages
 from router.api.detokenizer import IncrementalDetokenizer
@@ -90,8 +91,8 @@ class Tokenization:
         if not input_ids:
             raise RequestError("the prompt is empty")
         if min(input_ids) < 0 or max(input_ids) >= vocab:
-            pads = {image.pad for image in getattr(input_ids, "images", ())}  # image runs
-            if min(input_ids) < 0 or not {t for t in input_ids if t >= vocab} <= pads:
+            images = getattr(input_ids, "images", ())  # pad values are inside image runs
+            if min(input_ids) < 0 or stray_pads(input_ids, 0, images, vocab):
                 raise RequestError(f"prompt token ids must be in [0, {vocab})")
         try:
             sampling.validate(vocab)
