@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from common.tiny_vlm import ensure_tiny_vlm
 from tests.conftest import load_vlm, random_image, vlm_greedy
 from tests.server import ServerProcess
 from tests.vision_prompts import IMAGE, Prompt, chat, png, text
@@ -44,6 +45,23 @@ def oai(server):
         yield client
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3"])
+def family(request, model_cache, tmp_path_factory):
+    """(model path, openai client) of a server for each family (Qwen2.5-VL's is `server`)."""
+    if request.param == "qwen2_5_vl":
+        path = request.getfixturevalue("tiny_vlm")
+        yield path, request.getfixturevalue("oai")
+        return
+    path = str(ensure_tiny_vlm(model_cache, arch=request.param))
+    proc = ServerProcess(path, tmp_path_factory.mktemp(request.param) / "server.log")
+    proc.start()
+    try:
+        with openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0) as client:
+            yield path, client
+    finally:
+        proc.stop()
+
+
 def _data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png(image)).decode()
 
@@ -61,7 +79,10 @@ def _ask(oai, image, question: str = QUESTION, url: str | None = None):
     )
 
 
-def test_openai_sdk_image_parity_and_cache(tiny_vlm, oai):
+def test_openai_sdk_image_parity_and_cache(family):
+    """Each family: mlx-vlm's tokens cold, from the cache (cached_tokens cover the image),
+    and for another image at the same place (only the text before it is reused)."""
+    tiny_vlm, oai = family
     picture, other = random_image(20), random_image(21)
     want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
     first = _ask(oai, picture)
