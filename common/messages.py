@@ -159,6 +159,9 @@ class SchedulerStats:
     # a distributed worker's last timed decode-step collectives and how many were timed
     collective_seconds: float = 0.0
     collective_probes: int = 0
+    # a vision model's worker: its vision-tower runs and tower-cache hits so far
+    vision_tower_runs: int = 0
+    vision_cache_hits: int = 0
 
 
 @dataclass
@@ -375,6 +378,9 @@ class StepResult:
     step_seconds: float | None = None
     # the disk tier's news since the last report (None: nothing new, or no tier)
     disk: DiskReport | None = None
+    # A vision model's worker: its vision-tower runs and tower-cache hits so far
+    # (worker_mlx/vision_pass.py), cumulative; None for a text model.
+    vision_counts: list[int] | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import time
 
 import anthropic
 import httpx
@@ -15,8 +16,10 @@ import openai
 import pytest
 
 from common.tiny_vlm import ensure_tiny_vlm
+from router.metrics import PREFIX
 from tests.conftest import load_vlm, random_image, vlm_greedy
 from tests.server import ServerProcess
+from tests.test_metrics import scrape
 from tests.vision_prompts import IMAGE, Prompt, chat, png, text
 from worker_mlx.vision_model import VisionLanguageModel
 
@@ -53,7 +56,8 @@ def family(request, model_cache, tmp_path_factory):
         yield path, request.getfixturevalue("oai")
         return
     path = str(ensure_tiny_vlm(model_cache, arch=request.param))
-    proc = ServerProcess(path, tmp_path_factory.mktemp(request.param) / "server.log")
+    log = tmp_path_factory.mktemp(request.param) / "server.log"
+    proc = ServerProcess(path, log, extra=["--max-total-tokens", "2048"])
     proc.start()
     try:
         with openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0) as client:
@@ -99,6 +103,47 @@ def test_openai_sdk_image_parity_and_cache(family):
     assert swapped.usage.prompt_tokens_details.cached_tokens == _run_start(tiny_vlm, picture)
 
 
+def _vision_counts(url: str, before: tuple | None = None) -> tuple[float, float]:
+    """(tower runs, tower-cache hits) from /metrics; with `before`, once they moved from it
+    (the scheduler reports every 0.5 s)."""
+    names = [PREFIX + "vision_tower_runs_total", PREFIX + "vision_cache_hits_total"]
+    deadline = time.monotonic() + 10
+    while True:
+        series = scrape(url)
+        counts = tuple(series.get(n, 0.0) for n in names)
+        if before is None or counts != before or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
+def test_a_resent_image_whose_kv_was_evicted_skips_the_tower(family):
+    """Each family: the image's KV evicted by other prompts (twice the tokens the pool
+    holds), the same image again runs no tower (the metrics' counters say so: a cache
+    hit, no run), its cached tokens stop before the image, and the tokens are mlx-vlm's."""
+    tiny_vlm, oai = family
+    url = str(oai.base_url).removesuffix("/v1/")
+    picture = random_image(40)
+    runs, hits = _vision_counts(url)
+    first = _ask(oai, picture)
+    assert _vision_counts(url, (runs, hits)) == (runs + 1, hits)
+    # twice the pool: the leaves older than the picture's are not all the eviction takes
+    capacity = 2 * scrape(url)[PREFIX + "kv_pool_capacity_tokens"]
+    filler = " ".join(f"word{k}" for k in range(200))
+    model = oai.models.list().data[0].id
+    while capacity > 0:
+        ask = [{"role": "user", "content": f"{capacity} {filler}"}]
+        done = oai.chat.completions.create(model=model, messages=ask, max_tokens=1)
+        capacity -= done.usage.prompt_tokens
+    again = _ask(oai, picture)
+    assert again.usage.prompt_tokens_details.cached_tokens <= _run_start(tiny_vlm, picture)
+    assert _vision_counts(url, (runs + 1, hits)) == (runs + 1, hits + 1)
+    assert (
+        again.choices[0].token_ids
+        == first.choices[0].token_ids
+        == vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
+    )
+
+
 def _run_start(path: str, image) -> int:
     """How many prompt tokens come before the image's run (the chat's opening text)."""
     vlm, processor = load_vlm(path)
@@ -131,6 +176,32 @@ def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
     want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
     assert reply.usage.output_tokens == N
     assert reply.content[0].text == _decode(tiny_vlm, want)
+
+
+def test_responses_sdk_sends_an_input_image(tiny_vlm, oai):
+    """The Responses API's input_image part goes through the chat's image pipeline: the
+    answer is mlx-vlm's, a repeat is served from the cache, a bad detail is a 400."""
+    picture = random_image(27)
+    content = [
+        {"type": "input_image", "image_url": _data_url(picture), "detail": "low"},
+        {"type": "input_text", "text": QUESTION},
+    ]
+    model = oai.models.list().data[0].id
+
+    def ask(parts):
+        return oai.responses.create(
+            model=model, input=[{"role": "user", "content": parts}], max_output_tokens=N,
+            temperature=0.0, store=False,
+        )  # fmt: skip
+
+    first, again = ask(content), ask(content)
+    want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
+    assert first.output_text == again.output_text == _decode(tiny_vlm, want)
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage.input_tokens_details.cached_tokens == again.usage.input_tokens - 1
+    with pytest.raises(openai.BadRequestError) as bad:
+        ask([{**content[0], "detail": "huge"}, content[1]])
+    assert bad.value.body["param"] == "input[0].content[0].detail"
 
 
 def _model(server) -> str:
