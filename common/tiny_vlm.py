@@ -95,9 +95,15 @@ def _random_vlm_weights(
 
 
 def build_tiny_vlm(
-    out_dir: str | Path, *, arch: str = "qwen2_5_vl", preset: str = "tiny", seed: int = 0
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen2_5_vl",
+    preset: str = "tiny",
+    seed: int = 0,
+    image_tokens: int = 16,
 ) -> Path:
-    """Write a complete VLM directory (weights, config, tokenizer, processor) to ``out_dir``."""
+    """Write a complete VLM directory (weights, config, tokenizer, processor) to ``out_dir``;
+    a Qwen-VL family's processor gives an image at most ``image_tokens`` tokens."""
     if arch not in VLM_FAMILIES:
         raise ValueError(f"unknown vision arch {arch!r}; expected one of {VLM_FAMILIES}")
     family = VLM_FAMILY_SPECS[arch]
@@ -112,7 +118,7 @@ def build_tiny_vlm(
         out / "generation_config.json",
         {"eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]},
     )
-    write_processor_files(out, arch, _write_json)
+    write_processor_files(out, arch, _write_json, image_tokens)
     return out
 
 
@@ -120,18 +126,23 @@ VLM_FAMILIES = tuple(VLM_FAMILY_SPECS)
 
 
 def ensure_tiny_vlm(
-    cache_dir: str | Path | None = None, arch: str = "qwen2_5_vl", seed: int = 0
+    cache_dir: str | Path | None = None,
+    arch: str = "qwen2_5_vl",
+    seed: int = 0,
+    preset: str = "tiny",
+    image_tokens: int = 16,
 ) -> Path:
     """A cached tiny VLM directory, built once (in a temp dir renamed into place, so
     concurrent builders and readers only ever see complete directories)."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"tiny-vlm-{arch}-s{seed}-v{VLM_BUILDER_VERSION}"
+    size = "" if (preset, image_tokens) == ("tiny", 16) else f"-{preset}-i{image_tokens}"
+    final = cache / f"tiny-vlm-{arch}{size}-s{seed}-v{VLM_BUILDER_VERSION}"
     if final.is_dir():
         return final
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
-        build_tiny_vlm(tmp, arch=arch, seed=seed)
+        build_tiny_vlm(tmp, arch=arch, seed=seed, preset=preset, image_tokens=image_tokens)
         tmp.chmod(0o755)
         with contextlib.suppress(OSError):
             os.rename(tmp, final)

@@ -239,7 +239,7 @@ def _gemma3_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Conf
     }
 
 
-def _qwen_vl_processor(arch: str) -> tuple[Config, Config]:
+def _qwen_vl_processor(arch: str, image_tokens: int) -> tuple[Config, Config]:
     """(preprocessor_config.json, processor_config.json) of a Qwen-VL family."""
     patch = 16 if arch == "qwen3_vl" else PATCH
     image = {
@@ -252,16 +252,18 @@ def _qwen_vl_processor(arch: str) -> tuple[Config, Config]:
         "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": MERGE,
-        # at most 16 merged tokens (64 patches) per image, at least 4
+        # at most `image_tokens` merged tokens (16 by default: 64 patches) per image
         "min_pixels": (patch * MERGE) ** 2 * 4,
-        "max_pixels": (patch * MERGE) ** 2 * 16,
+        "max_pixels": (patch * MERGE) ** 2 * image_tokens,
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
     }
     return image, {}
 
 
-def _gemma3_processor(arch: str) -> tuple[Config, Config]:
+def _gemma3_processor(arch: str, image_tokens: int) -> tuple[Config, Config]:
+    """Gemma 3's fixed image size (its soft tokens are `mm_tokens_per_image`, whatever
+    `image_tokens` asks)."""
     image = {
         "image_processor_type": "Gemma3ImageProcessor",
         "processor_class": "Gemma3Processor",
@@ -285,7 +287,7 @@ class VisionFamily:
     tokens: list[str]  # the vision special tokens its tokenizer adds
     chat_template: str
     config: Callable[[str, dict[str, int], dict[str, int]], Config]
-    processor: Callable[[str], tuple[Config, Config]]
+    processor: Callable[[str, int], tuple[Config, Config]]
     # extra tokenizer_config keys (Gemma 3's processor reads these token names from it)
     tokenizer_extra: Config | None = None
     norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by 1 + weight
@@ -309,10 +311,10 @@ VLM_FAMILY_SPECS: dict[str, VisionFamily] = {
 }
 
 
-def write_processor_files(out: Path, arch: str, write_json) -> None:
+def write_processor_files(out: Path, arch: str, write_json, image_tokens: int = 16) -> None:
     """The image (and video) processor settings mlx-vlm's processor reads."""
     family = VLM_FAMILY_SPECS[arch]
-    image, processor = family.processor(arch)
+    image, processor = family.processor(arch, image_tokens)
     write_json(out / "preprocessor_config.json", image)
     if arch != "gemma3":
         write_json(out / "video_preprocessor_config.json", image)
