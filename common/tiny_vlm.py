@@ -40,7 +40,7 @@ from common.tiny_vlm_families import VLM_FAMILY_SPECS, write_processor_files
 from common.tiny_weights import random_weights
 
 # Bump whenever the builder's output changes, so cached models are rebuilt.
-VLM_BUILDER_VERSION = 1
+VLM_BUILDER_VERSION = 2
 
 
 def _write_vlm_tokenizer(out: Path, vocab_size: int, arch: str) -> dict[str, int]:

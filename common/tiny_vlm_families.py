@@ -44,8 +44,8 @@ GEMMA3_IMAGE = 112  # SigLIP's square input: 8 x 8 patches of 14 pixels
 GEMMA3_TOKENS_PER_IMAGE = 16  # pooled 2 x 2: 4 x 4 soft tokens
 
 
-def _template(image_text: str) -> str:
-    """The builder's chat format: an image part is `image_text`, text parts as they are."""
+def _template(image_text: str, text: str = "part['text']") -> str:
+    """The builder's chat format: an image part is `image_text`, a text part `text`."""
     return (
         "{%- for message in messages %}"
         "{{- '<|im_start|>' + message['role'] + '\\n' }}"
@@ -53,7 +53,7 @@ def _template(image_text: str) -> str:
         "{%- else %}{%- for part in message['content'] %}"
         "{%- if part['type'] in ('image', 'image_url') %}"
         "{{- '" + image_text + "' }}"
-        "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+        "{%- elif part['type'] == 'text' %}{{- " + text + " }}{%- endif %}"
         "{%- endfor %}{%- endif %}"
         "{{- '<|im_end|>\\n' }}"
         "{%- endfor %}"
@@ -62,9 +62,10 @@ def _template(image_text: str) -> str:
 
 
 # Qwen2-VL's template writes the vision run; Gemma 3's writes the begin-of-image token,
-# which its processor expands to "\n\n<boi><image_soft_token>*N<eoi>\n\n".
+# which its processor expands to "\n\n<boi><image_soft_token>*N<eoi>\n\n", and trims
+# text parts, as the official one does.
 QWEN_VL_CHAT_TEMPLATE = _template(VISION_START + IMAGE_PAD + VISION_END)
-GEMMA3_CHAT_TEMPLATE = _template(BOI)
+GEMMA3_CHAT_TEMPLATE = _template(BOI, "part['text'] | trim")
 
 
 def _qwen2_5_vl_tower(dims: dict[str, int]) -> Config:

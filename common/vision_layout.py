@@ -8,8 +8,9 @@ of placeholders has `prod(grid) // merge**2` tokens:
 
 - Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `<|vision_start|><|image_pad|><|vision_end|>`; the grid
   is the processor's `image_grid_thw` (patches), merged `merge x merge`;
-- Gemma 3: `\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n` (what its
-  processor puts for the template's `<start_of_image>`); the grid is the pooled soft
+- Gemma 3: `<start_of_image>`, as its template writes an image part, which the rendered
+  prompt then has replaced by `\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n`
+  before tokenizing (`expand_text`, what its processor does); the grid is the pooled soft
   tokens, `1 x s x s` with `s * s = mm_tokens_per_image`, unmerged.
 """
 
@@ -30,6 +31,10 @@ class ImageLayout:
 
     def image_text(self, tokenizer) -> str:
         raise NotImplementedError
+
+    def expand_text(self, tokenizer, prompt: str) -> str:
+        """The rendered prompt as the family's processor rewrites it before tokenizing."""
+        return prompt
 
     def per_image(self, out: dict) -> list[tuple[list[int], np.ndarray]]:
         """(grid, float32 pixels) of each image in the image processor's output `out`."""
@@ -83,7 +88,16 @@ class Gemma3Layout(ImageLayout):
         return int(round(self.tokens_per_image**0.5))
 
     def image_text(self, tokenizer) -> str:
-        return "\n\n" + tokenizer.decode(list(self.run_ids)) + "\n\n"
+        """The begin-of-image marker, as Gemma 3's template writes an image part (and which
+        its `trim` of text parts keeps); `expand_text` then writes the image's text."""
+        return tokenizer.decode([self.run_ids[0]])
+
+    def expand_text(self, tokenizer, prompt: str) -> str:
+        """As mlx-vlm's Gemma3Processor: every begin-of-image marker becomes
+        `\n\n<start_of_image><image_soft_token><end_of_image>\n\n` (one placeholder here,
+        which the router then expands to the run)."""
+        boi, image, eoi = (tokenizer.decode([t]) for t in self.run_ids)
+        return prompt.replace(boi, f"\n\n{boi}{image}{eoi}\n\n")
 
     def per_image(self, out: dict) -> list[tuple[list[int], np.ndarray]]:
         pixels = [np.asarray(p, dtype=np.float32) for p in out["pixel_values"]]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.image_keys import stray_pads
@@ -33,6 +33,9 @@ class Tokenization:
         self.manager = manager
         self.clamp = clamp
         self.chat_format = ChatFormat.of(tokenizer)
+        # a vision model's: what its processor does to a rendered prompt before tokenizing
+        # (Gemma 3's image marker becomes its whole image text; common/vision_layout.py)
+        self.expand_text: Callable[[str], str] | None = None
 
     def encode_text(self, text: str) -> list[int]:
         """A text prompt as mlx_lm.server encodes it: with the special tokens the tokenizer
@@ -46,6 +49,8 @@ class Tokenization:
         """A chat prompt from `render_chat` as token ids. The template writes the BOS itself,
         so the tokenizer adds no second one (apply_chat_template(tokenize=True), which
         mlx_lm.server calls, encodes so too)."""
+        if self.expand_text is not None:
+            prompt = self.expand_text(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def render_chat(

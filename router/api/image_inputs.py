@@ -1,16 +1,18 @@
 """A vision model's images in chat requests: from content parts to the worker's inputs.
 
-OpenAI's `image_url` parts (and Anthropic's `image` blocks, converted to them by
-router.api.anthropic_api) are taken out of the chat before it is rendered: each becomes
-the text the model's template writes for one image (its family's `ImageLayout`,
-common/vision_layout.py: Qwen-VL's `<|vision_start|><|image_pad|><|vision_end|>`, Gemma
-3's `<start_of_image>` run), and its bytes are read (a `data:` URL, a
-`file:` URL, an `http(s)` URL only with --allow-image-urls), decoded and preprocessed
-with the model's own image processor (mlx-vlm's, torch-free) in a thread, off the event
-loop. After tokenization each image's one placeholder token becomes its run: as many
-tokens as the processor's grid gives, each the image's pad value (common/image_keys.py),
-so the radix cache keys on the image's identity; `PromptIds.images` carries the pixels,
-grids and pad values to the scheduler and worker.
+OpenAI's `image_url` parts (and Anthropic's `image` blocks and the Responses API's
+`input_image` parts, converted to them) are taken out of the chat before it is rendered:
+each becomes the text the model's template writes for one image (its family's
+`ImageLayout`, common/vision_layout.py: Qwen-VL's `<|vision_start|><|image_pad|>
+<|vision_end|>`, Gemma 3's `<start_of_image>`), and its bytes are read (a `data:` URL, a
+`file:` URL, an `http(s)` URL only with --allow-image-urls), decoded and preprocessed with
+the model's own image processor (mlx-vlm's, torch-free) in a thread, off the event loop;
+the same bytes again (every turn of a conversation resends its images) take the last
+result from an LRU by digest (256 MiB) instead. After tokenization each image's one
+placeholder token becomes its run: as many tokens as the processor's grid gives, the
+image's pad values (common/image_keys.py), so the radix cache keys on its identity;
+`PromptIds.images` carries the pixels, grids, run lengths and digests to the scheduler
+and worker.
 
 Every refusal is a 400 naming the part: over --max-images-per-request or
 --max-image-bytes (a base64 payload is measured before it is decoded), bytes that are
@@ -24,6 +26,8 @@ import base64
 import binascii
 import io
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -38,6 +42,7 @@ from router.request_error import RequestError
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 URL_TIMEOUT = 10.0
 MAX_PIXELS = 64 * 1024 * 1024  # decoded pixels of one image (PIL's bomb check at 2x)
+PREPARED_CACHE_BYTES = 256 << 20
 
 
 class PromptIds(list):
@@ -70,8 +75,17 @@ class VisionInputs:
     def __init__(self, layout: ImageLayout, processor, tokenizer, limits: Limits):
         self.layout = layout
         self.processor = processor
+        self.tokenizer = tokenizer
         self.image_text = layout.image_text(tokenizer)
         self.limits = limits
+        # preprocessed images by digest, LRU, bounded in bytes (`_prepare`; threads fill it)
+        self._prepared: OrderedDict[bytes, Prepared] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def expand_text(self, prompt: str) -> str:
+        """The rendered prompt as the model's processor rewrites it before tokenizing."""
+        return self.layout.expand_text(self.tokenizer, prompt)
 
     @classmethod
     def of(cls, model_path: str, tokenizer, limits: Limits) -> VisionInputs | None:
@@ -201,6 +215,24 @@ class VisionInputs:
         return bytes(data)
 
     def _prepare(self, where: str, data: bytes) -> Prepared:
+        """One image's grid and pixels: the processor's, or the last ones of the same bytes
+        (a conversation sends its images again every turn; decoding and preprocessing them
+        would cost the turn what its cached KV saved)."""
+        digest = image_hash(data)
+        with self._lock:
+            hit = self._prepared.get(digest)
+            if hit is not None:
+                self._prepared.move_to_end(digest)
+                return Prepared(where, digest, hit.pixels, hit.grid)
+        prepared = self._preprocess(where, data, digest)
+        with self._lock:
+            self._prepared[digest] = prepared
+            self._held += prepared.pixels.nbytes
+            while self._held > PREPARED_CACHE_BYTES:
+                self._held -= self._prepared.popitem(last=False)[1].pixels.nbytes
+        return prepared
+
+    def _preprocess(self, where: str, data: bytes, digest: bytes) -> Prepared:
         """Decode (PIL) and preprocess (the model's processor) one image."""
         from PIL import Image
 
@@ -224,4 +256,4 @@ class VisionInputs:
                 f"{where}: the bytes are not an image ({exc})", param=where
             ) from None
         ((grid, pixels),) = self.layout.per_image(self.processor(images=[image]))
-        return Prepared(where, image_hash(data), pixels, grid)
+        return Prepared(where, digest, pixels, grid)
