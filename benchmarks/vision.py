@@ -13,10 +13,12 @@ baseline measured in the same run, rounds alternating:
   then the same chat with the answer and a follow-up question (the second turn: the
   radix cache holds the first turn, image included). Target: <= 0.1.
 - **text rows' decode step, 8 rows of which 4 carry a new image ÷ 8 text rows.** Eight
-  requests sent at once with 64 tokens out (`ignore_eos`); the text rows' median time
-  per output token after the first, with four of the rows carrying a picture never seen before
-  (their tower runs and their runs are prefilled in the same steps) against all eight
-  text. Target: <= 1.1.
+  requests sent at once with 64 tokens out (`ignore_eos`): four short text rows, and four
+  rows carrying a picture never seen before (their tower runs and their runs are
+  prefilled while the text rows decode), or four text rows as long as those (the
+  baseline: the same contexts without images), or four short ones. The text rows' decode
+  step once every row decodes, image rows ÷ long text rows: target <= 1.1. Their time per
+  token with the prefill stalls is printed too.
 
 The machine may be shared: ratios, not absolute times, are what to compare.
 """
@@ -89,18 +91,24 @@ async def turns(client: httpx.AsyncClient, seed: int, side: int) -> tuple[float,
     return times[1] - times[0], again[1] - again[0]
 
 
-async def batch(client: httpx.AsyncClient, seed: int, side: int, images: int) -> float:
-    """The text rows' decode step and time per output token, 8 rows at once, `images` of
-    them with a picture never sent before. The step: the median gap between the text
-    rows' tokens once every row of the batch is decoding (after rows 0-3's first token,
-    in both batches), so the image rows' prefill is not in it; the time per token: from
-    the first token to the last, the stalls for that prefill included."""
-    rows = []
-    for k in range(8):
-        if k < images:
-            rows.append([image_message(picture(BATCH_SEED + seed * 8 + k, side), f"Pic {k}?")])
-        else:
-            rows.append([{"role": "user", "content": f"Row {k} of round {seed}: tell a story."}])
+def long_text(tokenizer, n: int, seed: int) -> str:
+    """A user message of about `n` tokens of seeded random words."""
+    rng = np.random.default_rng(seed)
+    words = [f"w{x}" for x in rng.integers(0, 10_000, n)]
+    while len(tokenizer.encode(" ".join(words))) > n:
+        words = words[: -max(1, len(words) // 50)]
+    return " ".join(words)
+
+
+async def batch(client: httpx.AsyncClient, seed: int, rows03: list) -> tuple[float, float]:
+    """Rows 4-7 (short text) decoding beside rows 0-3 (`rows03`, their messages), all
+    sent at once: the text rows' decode step, the median gap between their tokens once
+    every row decodes (after rows 0-3's first token), so rows 0-3's prefill is not in it;
+    and their time per token from the first to the last, the stalls for it included."""
+    rows = list(rows03) + [
+        [{"role": "user", "content": f"Row {k} of round {seed}: tell a story."}]
+        for k in range(4, 8)
+    ]
     got = await asyncio.gather(*[stream(client, m, OUT) for m in rows])
     decoding = max(t[1] for t, _ in got[:4])
     gaps = [b - a for t, _ in got[4:] for a, b in zip(t[1:], t[2:]) if a >= decoding]
@@ -108,38 +116,61 @@ async def batch(client: httpx.AsyncClient, seed: int, side: int, images: int) ->
     return statistics.median(gaps), tpot
 
 
+def companions(kind: str, seed: int, side: int, tok, n: int) -> list:
+    """Rows 0-3 of a batch: new pictures, text as long as their prompts (`n` tokens), or
+    short text."""
+    if kind == "image":
+        return [[image_message(picture(BATCH_SEED + seed * 8 + k, side), f"Pic {k}?")]
+                for k in range(4)]  # fmt: skip
+    if kind == "long":
+        return [[{"role": "user", "content": long_text(tok, n, seed * 8 + k)}] for k in range(4)]
+    return [[{"role": "user", "content": f"Row {k} of round {seed}: a story."}] for k in range(4)]
+
+
+KINDS = ("short", "long", "image")
+
+
 async def run(args) -> None:
+    from transformers import AutoTokenizer
+
     from common.tiny_vlm import ensure_tiny_vlm
 
     model = str(ensure_tiny_vlm(arch=args.arch, preset=args.preset, image_tokens=args.image_tokens))
+    tok = AutoTokenizer.from_pretrained(model)
     side = 28 * int(args.image_tokens**0.5)  # a square picture of about that many tokens
     server = ManagedServer("radix-mlx", model, Path(args.logs), [])
     ep = await asyncio.to_thread(server.start)
     try:
         async with httpx.AsyncClient(base_url=ep.url, timeout=600) as client:
             await turns(client, 999, side)  # warm-up: compiles, loads the processor
-            await batch(client, 999, side, 4)
-            ratios, steps, tpots = [], [], []
+            await batch(client, 999, companions("image", 999, side, tok, 0))
+            ratios, steps = [], {k: [] for k in KINDS}
             for r in range(args.rounds):
                 first, second = await turns(client, r, side)
                 ratios.append(second / first)
-                order = (0, 4) if r % 2 == 0 else (4, 0)  # which batch goes first alternates
-                got = {n: await batch(client, r, side, n) for n in order}
-                (step0, tpot0), (step4, tpot4) = got[0], got[4]
-                steps.append(step4 / step0)
-                tpots.append(tpot4 / tpot0)
+                got = {}
+                for kind in KINDS[:: 1 if r % 2 == 0 else -1]:  # the order alternates
+                    rows = companions(kind, r, side, tok, args.image_tokens + 12)
+                    got[kind] = await batch(client, r, rows)
+                for kind in KINDS:
+                    steps[kind].append(got[kind])
                 print(f"round {r + 1}: TTFT first turn {first * 1e3:.1f} ms, second "
-                      f"{second * 1e3:.1f} ms ({second / first:.3f}x); text rows' step "
-                      f"{step0 * 1e3:.2f} ms text-only, {step4 * 1e3:.2f} ms beside 4 new "
-                      f"image rows ({step4 / step0:.3f}x); their time per token "
-                      f"{tpot0 * 1e3:.2f} and {tpot4 * 1e3:.2f} ms ({tpot4 / tpot0:.3f}x)",
-                      flush=True)  # fmt: skip
+                      f"{second * 1e3:.1f} ms ({second / first:.3f}x); text rows' step / "
+                      f"time per token beside 4 rows of short text "
+                      + ", ".join(f"{kind}: {s * 1e3:.1f} / {t * 1e3:.1f} ms"
+                                  for kind, (s, t) in got.items()), flush=True)  # fmt: skip
     finally:
         server.stop()
+
+    def ratio(kind: str, base: str, at: int) -> float:
+        return statistics.median(a[at] / b[at] for a, b in zip(steps[kind], steps[base]))
+
     print(f"median over {args.rounds} rounds: second/first turn TTFT "
-          f"{statistics.median(ratios):.3f} (target <= 0.1); text rows' decode step with "
-          f"image rows / text-only {statistics.median(steps):.3f} (target <= 1.1); their "
-          f"time per token, prefill stalls included, {statistics.median(tpots):.3f}")  # fmt: skip
+          f"{statistics.median(ratios):.3f} (target <= 0.1); the text rows' decode step "
+          f"beside 4 new image rows / beside 4 text rows as long {ratio('image', 'long', 0):.3f} "
+          f"(target <= 1.1), / beside 4 short text rows {ratio('image', 'short', 0):.3f}; "
+          f"their time per token, prefill stalls included, {ratio('image', 'long', 1):.3f} "
+          f"and {ratio('image', 'short', 1):.3f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
