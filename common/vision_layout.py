@@ -48,6 +48,16 @@ def _text(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def _vocab(config: dict) -> int:
+    """The language model's vocabulary as mlx-vlm reads it (its TextConfig, defaults
+    included: Gemma 3 checkpoints may leave it out), which is what the worker's embedding
+    has and its pad-value checks use."""
+    from mlx_vlm.utils import get_model_and_args
+
+    arch, _ = get_model_and_args(config)
+    return int(arch.TextConfig.from_dict(_text(config)).vocab_size)
+
+
 class QwenVLLayout(ImageLayout):
     @classmethod
     def of(cls, config: dict) -> QwenVLLayout:
@@ -55,7 +65,7 @@ class QwenVLLayout(ImageLayout):
         return cls(
             config["model_type"],
             image,
-            int(_text(config).get("vocab_size", config.get("vocab_size"))),
+            _vocab(config),
             int(config["vision_config"].get("spatial_merge_size", 2)),
             (config["vision_start_token_id"], image, config["vision_end_token_id"]),
         )
@@ -80,7 +90,7 @@ class Gemma3Layout(ImageLayout):
         image = int(config["image_token_index"])
         run = (config["boi_token_index"], image, config["eoi_token_index"])
         tokens = int(text.get("mm_tokens_per_image", config.get("mm_tokens_per_image", 256)))
-        return cls("gemma3", image, int(text["vocab_size"]), 1, run, tokens)
+        return cls("gemma3", image, _vocab(config), 1, run, tokens)
 
     @property
     def side(self) -> int:
