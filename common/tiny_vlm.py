@@ -11,7 +11,8 @@ one's directory holds are in ``common/tiny_vlm_families.py``.
 
 Usage::
 
-    python -m common.tiny_vlm OUT [--arch qwen2_5_vl] [--seed 0]
+    python -m common.tiny_vlm OUT [--arch qwen2_5_vl] [--seed 0] [--preset tiny]
+                                  [--image-tokens 16]
 """
 
 from __future__ import annotations
@@ -162,10 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--arch", choices=VLM_FAMILIES, default="qwen2_5_vl")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--image-tokens", type=int, default=16, help="Qwen-VL: per image, at most")
     args = p.parse_args(argv)
-    print(
-        f"wrote {args.arch} tiny VLM to {build_tiny_vlm(args.out, arch=args.arch, seed=args.seed)}"
-    )
+    out = build_tiny_vlm(
+        args.out, arch=args.arch, seed=args.seed, preset=args.preset,
+        image_tokens=args.image_tokens,
+    )  # fmt: skip
+    print(f"wrote {args.arch} tiny VLM to {out}")
 
 
 if __name__ == "__main__":
