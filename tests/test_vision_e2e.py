@@ -144,11 +144,20 @@ def test_a_resent_image_whose_kv_was_evicted_skips_the_tower(family):
     )
 
 
-def _run_start(path: str, image) -> int:
-    """How many prompt tokens come before the image's run (the chat's opening text)."""
+def _span(path: str, image):
     vlm, processor = load_vlm(path)
     model = VisionLanguageModel(vlm, vlm.config.model_type)
-    return Prompt(model, processor, chat(IMAGE, text(QUESTION)), [image]).spans[0].start
+    return Prompt(model, processor, chat(IMAGE, text(QUESTION)), [image]).spans[0]
+
+
+def _run_start(path: str, image) -> int:
+    """How many prompt tokens come before the image's run (the chat's opening text)."""
+    return _span(path, image).start
+
+
+def _run_end(path: str, image) -> int:
+    span = _span(path, image)
+    return span.start + span.length
 
 
 def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
@@ -180,7 +189,9 @@ def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
 
 def test_responses_sdk_sends_an_input_image(tiny_vlm, oai):
     """The Responses API's input_image part goes through the chat's image pipeline: the
-    answer is mlx-vlm's, a repeat is served from the cache, a bad detail is a 400."""
+    answer is mlx-vlm's, a repeat is served from the cache, a follow-up by
+    previous_response_id is mlx-vlm's answer to the whole conversation with the image
+    from the cache, a bad detail is a 400."""
     picture = random_image(27)
     content = [
         {"type": "input_image", "image_url": _data_url(picture), "detail": "low"},
@@ -188,13 +199,13 @@ def test_responses_sdk_sends_an_input_image(tiny_vlm, oai):
     ]
     model = oai.models.list().data[0].id
 
-    def ask(parts):
+    def ask(parts, **extra):
         return oai.responses.create(
             model=model, input=[{"role": "user", "content": parts}], max_output_tokens=N,
-            temperature=0.0, store=False,
+            temperature=0.0, **({"store": False} | extra),
         )  # fmt: skip
 
-    first, again = ask(content), ask(content)
+    first, again = ask(content), ask(content, store=True)
     want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
     assert first.output_text == again.output_text == _decode(tiny_vlm, want)
     assert first.usage.input_tokens_details.cached_tokens <= _run_start(tiny_vlm, picture)
@@ -202,6 +213,16 @@ def test_responses_sdk_sends_an_input_image(tiny_vlm, oai):
     with pytest.raises(openai.BadRequestError) as bad:
         ask([{**content[0], "detail": "huge"}, content[1]])
     assert bad.value.body["param"] == "input[0].content[0].detail"
+    follow = oai.responses.create(
+        model=model, previous_response_id=again.id, input="And the colours?",
+        max_output_tokens=N, temperature=0.0,
+    )  # fmt: skip
+    ref = chat(IMAGE, text(QUESTION)) + [
+        {"role": "assistant", "content": again.output_text},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    assert follow.output_text == _decode(tiny_vlm, vlm_greedy(tiny_vlm, ref, [picture], N))
+    assert follow.usage.input_tokens_details.cached_tokens > _run_end(tiny_vlm, picture)
 
 
 def _model(server) -> str:

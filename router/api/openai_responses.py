@@ -102,22 +102,20 @@ class ResponsesRoutes:
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         kwargs = req.template_kwargs()
         grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
-        continuation = Continuation(tok, prev, system, tools, kwargs) if prev else None
+        # input_image parts, as chat's image_url parts: read, preprocessed, their runs
+        # written as pad values (router.api.image_inputs). A conversation with images is
+        # rendered whole each turn, as the chat route does (its runs are the same pad
+        # values, so the cache still holds them): the previous ids know no image parts.
+        chat, images = await api.take_images(copy.deepcopy(system + messages))
+        continuation = None
+        if prev is not None and not images:
+            continuation = Continuation(tok, prev, system, tools, kwargs)
         rendered = []
 
         def encode(text: str) -> list[int]:
             rendered.append(text)
             return continuation.encode(text) if continuation else tok.encode_rendered(text)
 
-        # input_image parts, as chat's image_url parts: read, preprocessed, their runs
-        # written as pad values (router.api.image_inputs)
-        chat, images = await api.take_images(copy.deepcopy(system + messages))
-        if images and prev is not None:
-            raise RequestError(
-                "input_image parts with previous_response_id are not served yet; send the "
-                "whole conversation as input",
-                param="previous_response_id",
-            )
         ids, prompt, grammar = plan_chat(
             tok, chat, tools, chat_tool_choice(req.tool_choice), kwargs, grammar,
             req.max_output_tokens, encode=encode,
