@@ -2,7 +2,8 @@
 the router's side of a vision model (the worker's is worker_mlx/vision_families.py).
 
 For each family (`LAYOUTS`, by mlx-vlm model type): the placeholder token the processor
-expands, the text the chat template writes for one image (with one placeholder), and how
+expands, the text the chat template writes for one image (holding one placeholder once
+the prompt is rewritten as the family's processor does, `expand_text`), and how
 the image processor's output becomes each image's patch grid and pixels. An image's run
 of placeholders has `prod(grid) // merge**2` tokens:
 
