@@ -38,14 +38,16 @@ from radix_mlx.messages import (  # noqa: F401
 @dataclass
 class ImagePart:
     """An image of a vision model's prompt (common/image_keys.py, worker_mlx/mrope.py): its
-    placeholder run starts at token `start` of the whole prompt, `grid` is the processor's
-    (t, h, w) patch grid, every token of the run is `pad` in the input ids, and `pixels`
-    are the processor's pixel values (float32, one row per patch), empty when the worker
-    does not need them (the run is cached, or its vision embeddings are)."""
+    placeholder run of `length` tokens starts at token `start` of the whole prompt, `grid`
+    is its (t, h, w) grid (common/vision_layout.py), `key` is the SHA-256 digest of its
+    bytes, the run's tokens in the input ids are `pad_values(key, vocab, length)`, and
+    `pixels` are the processor's pixel values (float32), empty when the worker does not
+    need them (the run is cached, or its vision embeddings are)."""
 
     start: int
     grid: list[int]
-    pad: int
+    length: int
+    key: bytes
     pixels: bytes = b""
 
 
@@ -157,6 +159,9 @@ class SchedulerStats:
     # a distributed worker's last timed decode-step collectives and how many were timed
     collective_seconds: float = 0.0
     collective_probes: int = 0
+    # a vision model's worker: its vision-tower runs and tower-cache hits so far
+    vision_tower_runs: int = 0
+    vision_cache_hits: int = 0
 
 
 @dataclass
@@ -379,6 +384,9 @@ class StepResult:
     step_seconds: float | None = None
     # the disk tier's news since the last report (None: nothing new, or no tier)
     disk: DiskReport | None = None
+    # A vision model's worker: its vision-tower runs and tower-cache hits so far
+    # (worker_mlx/vision_pass.py), cumulative; None for a text model.
+    vision_counts: list[int] | None = None
 
 
 @dataclass

@@ -74,6 +74,8 @@ METRICS = {
     "model_evictions": "counter",
     "embedding_requests": "counter",
     "embedding_tokens": "counter",
+    "vision_tower_runs": "counter",
+    "vision_cache_hits": "counter",
     **DISK_METRICS,
 }
 FINISH_REASONS = ("stop", "length", "abort")
@@ -155,6 +157,10 @@ class Metrics:
         self.embedding_requests = counter("embedding_requests", "Answered /v1/embeddings requests")
         self.embedding_tokens = counter("embedding_tokens", "Input tokens of embeddings")
         self.disk = DiskMetrics(r)
+        self.tower_runs = counter("vision_tower_runs", "Images a vision model's tower computed")
+        self.tower_hits = counter(
+            "vision_cache_hits", "Images whose vision-tower output came from the tower cache"
+        )
         self.collective = histogram(
             "collective_seconds",
             "A distributed worker's decode-step collectives, timed alone every 64 steps",
@@ -274,6 +280,10 @@ class Metrics:
         retracted = s.retracted_requests - (seen.retracted_requests if seen else 0)
         self.evicted_tokens.labels(*self._at(replica)).inc(max(0, evicted))
         self.retracted.labels(*self._at(replica)).inc(max(0, retracted))
+        runs = s.vision_tower_runs - (seen.vision_tower_runs if seen else 0)
+        hits = s.vision_cache_hits - (seen.vision_cache_hits if seen else 0)
+        self.tower_runs.labels(*self._at(replica)).inc(max(0, runs))
+        self.tower_hits.labels(*self._at(replica)).inc(max(0, hits))
         if s.collective_probes > (seen.collective_probes if seen else 0):
             self.collective.labels(*self._at(replica)).observe(s.collective_seconds)
         self._stats[self._at(replica)] = s

@@ -73,12 +73,19 @@ class KVCacheManager:
 
     def _match(self, req: Req) -> MatchResult:
         """The usable cached prefix of `req`'s fill tokens in its namespace (its cache salt's),
-        leaving at least one token to compute."""
+        leaving at least one token to compute, and never ending inside an image's run: a
+        run's KV is reused whole or not at all, so another image is reused only if its
+        pad values agree at every position of the run (common/image_keys.py)."""
         fill = req.fill_ids
         head = fill[: len(fill) - 1]
+        m = self._match_head(head, req.namespace)
+        cut = whole_runs(req.images, len(m.slot_ids))
+        return m if cut == len(m.slot_ids) else self._match_head(head[:cut], req.namespace)
+
+    def _match_head(self, head: list[int], namespace: int) -> MatchResult:
         if self.states:
-            return self.tree.match_snapshot(head, req.namespace)
-        return self.tree.match_prefix(head, req.namespace)
+            return self.tree.match_snapshot(head, namespace)
+        return self.tree.match_prefix(head, namespace)
 
     def match(self, req: Req) -> list[int]:
         """Prefix slots for `req`'s fill tokens, leaving at least one token to compute."""
@@ -284,3 +291,9 @@ def _check_owners(what: str, capacity: int, **owners) -> None:
     if set(everything) != set(range(1, capacity + 1)):
         counts = " + ".join(f"{name} {len(group)}" for name, group in owners.items())
         raise AssertionError(f"{what} slots lost: {counts} != capacity {capacity}")
+
+
+def whole_runs(images, n: int) -> int:
+    """`n` cached tokens cut back to the start of the image run they end inside, if any."""
+    inside = [im.start for im in images if im.start < n < im.start + im.length]
+    return min(inside, default=n)

@@ -149,13 +149,10 @@ def _extend_req(req: Req, adm: Admission) -> ExtendReq:
 def _images(req: Req, start: int, end: int) -> list[ImagePart]:
     """The prompt's images for a chunk computing tokens [start, end): pixels only for those
     whose run of pad values has tokens there (the others' KV is cached or comes later)."""
-    out, ids = [], req.input_ids
-    for image in req.images:
-        stop = image.start
-        while stop < len(ids) and ids[stop] == image.pad:
-            stop += 1
-        needed = image.start < end and stop > start
-        out.append(image if needed else ImagePart(image.start, image.grid, image.pad))
+    out = []
+    for im in req.images:
+        needed = im.start < end and im.start + im.length > start
+        out.append(im if needed else ImagePart(im.start, im.grid, im.length, im.key))
     return out
 
 

@@ -73,6 +73,7 @@ class Scheduler:
         self.in_flight: PrefillBatch | list[Req] | EmbedBatch | None = None
         self.last_was_embed = False
         self.retracted = 0
+        self.vision_counts = (0, 0)  # a vision worker's tower runs and tower-cache hits
         self.collective_seconds, self.collective_probes = 0.0, 0  # a distributed worker's
         self.last_was_prefill = False
         self.decode_steps = 0
@@ -364,6 +365,8 @@ class Scheduler:
             self.outputs.extend(self.embeds.answer(batch, result))
             self._apply_aborts()  # those that came while it ran
             return
+        if getattr(result, "vision_counts", None):
+            self.vision_counts = tuple(result.vision_counts)
         if getattr(result, "collective_seconds", 0.0):
             self.collective_seconds = result.collective_seconds
             self.collective_probes += 1
@@ -513,6 +516,8 @@ class Scheduler:
             retracted_requests=self.retracted,
             collective_seconds=self.collective_seconds,
             collective_probes=self.collective_probes,
+            vision_tower_runs=self.vision_counts[0],
+            vision_cache_hits=self.vision_counts[1],
         )
 
     def take_evicted(self) -> list[list[int]]:

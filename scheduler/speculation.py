@@ -34,6 +34,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+from common.image_keys import run_ids
 from common.messages import StepResult, WorkerReady
 from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
@@ -121,6 +122,7 @@ class DraftState(Adaptive):
 
     index: NgramIndex = field(default_factory=NgramIndex)
     seen: int = 0  # tokens of the request's fill indexed so far
+    pads: set[int] | None = None  # its images' pad values (a vision prompt's), found once
 
 
 class NgramSpeculation:
@@ -154,8 +156,9 @@ class NgramSpeculation:
         room = min(req.remaining_new_tokens - 1, context_len - len(fill) - 1)
         draft = state.index.propose(min(self.k, room)) if room > 0 else []
         if req.images:  # an image's pad values are prompt tokens, never a draft
-            pads = {image.pad for image in req.images}
-            draft = list(itertools.takewhile(lambda t: t not in pads, draft))
+            if state.pads is None:
+                state.pads = run_ids(req.input_ids, req.images)
+            draft = list(itertools.takewhile(lambda t: t not in state.pads, draft))
         if state.drafting:
             return draft
         state.shadow = draft[0] if draft else None

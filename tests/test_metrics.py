@@ -205,7 +205,7 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
     # tier's: test_disk_tier_series below)
     others = (
         "process_", "routing_", "replica_", "collective_", "model_", "embedding_", "kv_disk_",
-        "cache_hit_",
+        "cache_hit_", "vision_",
     )  # fmt: skip
     per_replica = {n for n in METRICS if not n.startswith(others)}
     assert per_replica == {name.removesuffix("_total") for name, _ in BRIEF}
@@ -219,6 +219,24 @@ def test_scheduler_side_series_are_per_replica_and_sum_to_the_server():
         }:
             assert fam.samples, fam.name
             assert all(s.labels.get("replica") in ("r0", "r1") for s in fam.samples), fam.name
+
+
+def test_vision_tower_series():
+    """The worker's cumulative tower runs and cache hits become counters that only grow:
+    a restarted replica's counts start again from 0 and add to them."""
+    m = Metrics()
+
+    def stats(runs: int, hits: int) -> SchedulerStats:
+        return SchedulerStats(0, 0, 0.0, 1024, 0, 0, vision_tower_runs=runs, vision_cache_hits=hits)
+
+    m.observe_stats(stats(2, 1))
+    m.observe_stats(stats(3, 4))
+    assert _value(m, "vision_tower_runs_total") == 3
+    assert _value(m, "vision_cache_hits_total") == 4
+    m.observe_ready(SchedulerReady(1024, 16, 4096, "qwen2_5_vl"))
+    m.observe_stats(stats(1, 0))
+    assert _value(m, "vision_tower_runs_total") == 4
+    assert _value(m, "vision_cache_hits_total") == 4
 
 
 def test_disk_tier_series():

@@ -8,14 +8,18 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 
+from common.tiny_vlm import ensure_tiny_vlm
+from router.metrics import PREFIX
 from tests.conftest import load_vlm, random_image, vlm_greedy
 from tests.server import ServerProcess
+from tests.test_metrics import scrape
 from tests.vision_prompts import IMAGE, Prompt, chat, png, text
 from worker_mlx.vision_model import VisionLanguageModel
 
@@ -44,6 +48,24 @@ def oai(server):
         yield client
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3"])
+def family(request, model_cache, tmp_path_factory):
+    """(model path, openai client) of a server for each family (Qwen2.5-VL's is `server`)."""
+    if request.param == "qwen2_5_vl":
+        path = request.getfixturevalue("tiny_vlm")
+        yield path, request.getfixturevalue("oai")
+        return
+    path = str(ensure_tiny_vlm(model_cache, arch=request.param))
+    log = tmp_path_factory.mktemp(request.param) / "server.log"
+    proc = ServerProcess(path, log, extra=["--max-total-tokens", "2048"])
+    proc.start()
+    try:
+        with openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0) as client:
+            yield path, client
+    finally:
+        proc.stop()
+
+
 def _data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(png(image)).decode()
 
@@ -61,7 +83,10 @@ def _ask(oai, image, question: str = QUESTION, url: str | None = None):
     )
 
 
-def test_openai_sdk_image_parity_and_cache(tiny_vlm, oai):
+def test_openai_sdk_image_parity_and_cache(family):
+    """Each family: mlx-vlm's tokens cold, from the cache (cached_tokens cover the image),
+    and for another image at the same place (only the text before it is reused)."""
+    tiny_vlm, oai = family
     picture, other = random_image(20), random_image(21)
     want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
     first = _ask(oai, picture)
@@ -78,11 +103,61 @@ def test_openai_sdk_image_parity_and_cache(tiny_vlm, oai):
     assert swapped.usage.prompt_tokens_details.cached_tokens == _run_start(tiny_vlm, picture)
 
 
-def _run_start(path: str, image) -> int:
-    """How many prompt tokens come before the image's run (the chat's opening text)."""
+def _vision_counts(url: str, before: tuple | None = None) -> tuple[float, float]:
+    """(tower runs, tower-cache hits) from /metrics; with `before`, once they moved from it
+    (the scheduler reports every 0.5 s)."""
+    names = [PREFIX + "vision_tower_runs_total", PREFIX + "vision_cache_hits_total"]
+    deadline = time.monotonic() + 10
+    while True:
+        series = scrape(url)
+        counts = tuple(series.get(n, 0.0) for n in names)
+        if before is None or counts != before or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
+def test_a_resent_image_whose_kv_was_evicted_skips_the_tower(family):
+    """Each family: the image's KV evicted by other prompts (twice the tokens the pool
+    holds), the same image again runs no tower (the metrics' counters say so: a cache
+    hit, no run), its cached tokens stop before the image, and the tokens are mlx-vlm's."""
+    tiny_vlm, oai = family
+    url = str(oai.base_url).removesuffix("/v1/")
+    picture = random_image(40)
+    runs, hits = _vision_counts(url)
+    first = _ask(oai, picture)
+    assert _vision_counts(url, (runs, hits)) == (runs + 1, hits)
+    # twice the pool: the leaves older than the picture's are not all the eviction takes
+    capacity = 2 * scrape(url)[PREFIX + "kv_pool_capacity_tokens"]
+    filler = " ".join(f"word{k}" for k in range(200))
+    model = oai.models.list().data[0].id
+    while capacity > 0:
+        ask = [{"role": "user", "content": f"{capacity} {filler}"}]
+        done = oai.chat.completions.create(model=model, messages=ask, max_tokens=1)
+        capacity -= done.usage.prompt_tokens
+    again = _ask(oai, picture)
+    assert again.usage.prompt_tokens_details.cached_tokens <= _run_start(tiny_vlm, picture)
+    assert _vision_counts(url, (runs + 1, hits)) == (runs + 1, hits + 1)
+    assert (
+        again.choices[0].token_ids
+        == first.choices[0].token_ids
+        == vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
+    )
+
+
+def _span(path: str, image):
     vlm, processor = load_vlm(path)
     model = VisionLanguageModel(vlm, vlm.config.model_type)
-    return Prompt(model, processor, chat(IMAGE, text(QUESTION)), [image]).spans[0].start
+    return Prompt(model, processor, chat(IMAGE, text(QUESTION)), [image]).spans[0]
+
+
+def _run_start(path: str, image) -> int:
+    """How many prompt tokens come before the image's run (the chat's opening text)."""
+    return _span(path, image).start
+
+
+def _run_end(path: str, image) -> int:
+    span = _span(path, image)
+    return span.start + span.length
 
 
 def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
@@ -110,6 +185,44 @@ def test_anthropic_sdk_sends_an_image(tiny_vlm, server):
     want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
     assert reply.usage.output_tokens == N
     assert reply.content[0].text == _decode(tiny_vlm, want)
+
+
+def test_responses_sdk_sends_an_input_image(tiny_vlm, oai):
+    """The Responses API's input_image part goes through the chat's image pipeline: the
+    answer is mlx-vlm's, a repeat is served from the cache, a follow-up by
+    previous_response_id is mlx-vlm's answer to the whole conversation with the image
+    from the cache, a bad detail is a 400."""
+    picture = random_image(27)
+    content = [
+        {"type": "input_image", "image_url": _data_url(picture), "detail": "low"},
+        {"type": "input_text", "text": QUESTION},
+    ]
+    model = oai.models.list().data[0].id
+
+    def ask(parts, **extra):
+        return oai.responses.create(
+            model=model, input=[{"role": "user", "content": parts}], max_output_tokens=N,
+            temperature=0.0, **({"store": False} | extra),
+        )  # fmt: skip
+
+    first, again = ask(content), ask(content, store=True)
+    want = vlm_greedy(tiny_vlm, chat(IMAGE, text(QUESTION)), [picture], N)
+    assert first.output_text == again.output_text == _decode(tiny_vlm, want)
+    assert first.usage.input_tokens_details.cached_tokens <= _run_start(tiny_vlm, picture)
+    assert again.usage.input_tokens_details.cached_tokens == again.usage.input_tokens - 1
+    with pytest.raises(openai.BadRequestError) as bad:
+        ask([{**content[0], "detail": "huge"}, content[1]])
+    assert bad.value.body["param"] == "input[0].content[0].detail"
+    follow = oai.responses.create(
+        model=model, previous_response_id=again.id, input="And the colours?",
+        max_output_tokens=N, temperature=0.0,
+    )  # fmt: skip
+    ref = chat(IMAGE, text(QUESTION)) + [
+        {"role": "assistant", "content": again.output_text},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    assert follow.output_text == _decode(tiny_vlm, vlm_greedy(tiny_vlm, ref, [picture], N))
+    assert follow.usage.input_tokens_details.cached_tokens > _run_end(tiny_vlm, picture)
 
 
 def _model(server) -> str:

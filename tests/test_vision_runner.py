@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq, SamplingParams
+from common.tiny_vlm import VLM_FAMILIES, ensure_tiny_vlm
 from tests.conftest import load_vlm, random_image, vlm_greedy
 from tests.test_model_runner import SlotAllocator
 from tests.vision_prompts import IMAGE, Prompt, chat, text
@@ -71,7 +72,15 @@ def harness(tiny_vlm):
     return VisionHarness(tiny_vlm)
 
 
-def test_cold_then_cached_image_then_another_image(tiny_vlm, harness):
+@pytest.fixture(scope="module", params=VLM_FAMILIES)
+def families(request, model_cache):
+    """(path, harness) of each served family's tiny VLM."""
+    path = str(ensure_tiny_vlm(model_cache, arch=request.param))
+    return path, VisionHarness(path)
+
+
+def test_cold_then_cached_image_then_another_image(families):
+    tiny_vlm, harness = families
     picture, other = random_image(7), random_image(8)
     p = harness.prompt(ASK, [picture])
     want = vlm_greedy(tiny_vlm, ASK, [picture], N)
@@ -89,7 +98,8 @@ def test_cold_then_cached_image_then_another_image(tiny_vlm, harness):
     assert got == vlm_greedy(tiny_vlm, ASK, [other], N) != want
 
 
-def test_a_batch_mixing_image_and_text_rows(tiny_vlm, harness):
+def test_a_batch_mixing_image_and_text_rows(families):
+    tiny_vlm, harness = families
     plain = chat(text("Tell me a story about the sea."))
     two = chat(IMAGE, text("or"), IMAGE, text("?"))
     rows = {
@@ -103,13 +113,20 @@ def test_a_batch_mixing_image_and_text_rows(tiny_vlm, harness):
         assert got[rid] == vlm_greedy(tiny_vlm, messages, images, N), rid
 
 
-def test_image_tokens_must_match_the_spans(harness):
+@pytest.mark.parametrize(
+    "where, needle",
+    [("outside its run", "outside the vocabulary"), ("not its own", "image tokens do not match")],
+)
+def test_image_tokens_must_match_the_spans(harness, where, needle):
     p = harness.prompt(ASK, [random_image(12)])
-    ids = list(p.ids)
-    ids[p.spans[0].start - 1] = ids[p.spans[0].start]  # a pad value outside its run
+    ids, start = list(p.ids), p.spans[0].start
+    if where == "outside its run":
+        ids[start - 1] = ids[start]
+    else:  # another image's value at one position of the run
+        ids[start + 1] = ids[start + 1] + 1
     loc = harness.alloc.alloc(len(ids))
     req = ExtendReq("bad", ids, [], loc, SamplingParams(max_new_tokens=1), images=p.parts)
-    with pytest.raises(ValueError, match="image tokens do not match"):
+    with pytest.raises(ValueError, match=needle):
         harness.runner.extend(ExtendBatch(99, [req]))
     harness.alloc.free(loc)
 

@@ -5,6 +5,7 @@ fails its requests), never trusted into an out-of-bounds write."""
 
 from __future__ import annotations
 
+from common.image_keys import stray_pads
 from common.messages import ExtendReq
 
 
@@ -22,8 +23,9 @@ def check_extend(r: ExtendReq, num_slots: int, state_slots: int, vocab_size: int
     check_slots(r.rid, r.out_cache_loc, num_slots)
     _check_states(r, state_slots)
     if min(r.input_ids) < 0 or max(r.input_ids) >= vocab_size:
-        pads = {image.pad for image in r.images}  # images' pad values are above the vocabulary
-        if min(r.input_ids) < 0 or not {t for t in r.input_ids if t >= vocab_size} <= pads:
+        # images' pad values are above the vocabulary, inside their runs
+        offset = len(r.prefix_slot_ids)
+        if min(r.input_ids) < 0 or stray_pads(r.input_ids, offset, r.images, vocab_size):
             raise ValueError(f"{r.rid}: token id outside the vocabulary [0, {vocab_size})")
     r.sampling.validate(vocab_size)
 

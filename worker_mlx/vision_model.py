@@ -9,12 +9,14 @@ the same kind of model:
 - tokens above the vocabulary are images' pad values (common/image_keys.py): they are
   embedded as the model's image placeholder, then replaced by the image's features where
   the pass supplies them (`ImageFeatures`);
-- positions are each row's cache offset plus its M-RoPE delta (`rope_deltas`), or the
-  explicit (3, B, L) positions of a pass over image tokens (worker_mlx/mrope.py), so text
-  rows and image rows share a batch.
+- an M-RoPE family's positions are each row's cache offset plus its M-RoPE delta
+  (`rope_deltas`), or the explicit (3, B, L) positions of a pass over image tokens
+  (worker_mlx/mrope.py), so text rows and image rows share a batch; other families'
+  follow the offsets.
 
-Only families whose vision tower and positions are known here are served
-(`SUPPORTED_TYPES`); any other mlx-vlm model is refused at load with one line.
+What differs between families is one object each (worker_mlx/vision_families.py). Only
+the families there are served (`SUPPORTED_TYPES`); any other mlx-vlm model is refused at
+load with one line.
 """
 
 from __future__ import annotations
@@ -26,13 +28,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
 from worker_mlx.model_probe import UnsupportedModel
 from worker_mlx.mrope import ImageSpan
+from worker_mlx.vision_families import FAMILIES
 
-# mlx-vlm model types whose language model is Qwen2-VL's (M-RoPE over t, h, w sections)
-SUPPORTED_TYPES = ("qwen2_5_vl", "qwen2_vl")
+SUPPORTED_TYPES = tuple(FAMILIES)  # mlx-vlm model types
 
 
 @dataclass
@@ -55,25 +56,25 @@ class VisionLanguageModel(nn.Module):
                 + ", ".join(SUPPORTED_TYPES)
             )
         self.vlm = vlm
-        config = vlm.config
+        self.family = FAMILIES[model_type](vlm)
         self.model_type = model_type
-        self.image_token_id = int(config.image_token_id)
-        self.vocab_size = int(config.text_config.vocab_size)
-        self.merge = int(config.vision_config.spatial_merge_size)
-        self.args = config.text_config  # what memory.py reads the model's widths from
+        self.image_token_id = self.family.image_token_id
+        self.vocab_size = int(vlm.config.text_config.vocab_size)
+        self.merge = self.family.merge
+        self.mrope = self.family.mrope
+        self.args = vlm.config.text_config  # what memory.py reads the model's widths from
 
     @property
     def layers(self):
         return self.vlm.language_model.model.layers
 
     def make_cache(self) -> list:
-        return [KVCache() for _ in self.layers]
+        return self.family.make_cache()
 
-    def encode_image(self, pixel_values: mx.array, grid: tuple[int, int, int]) -> mx.array:
-        """The vision tower's (placeholders, D) embeddings of one preprocessed image."""
-        tower = self.vlm.vision_tower
-        dtype = tower.patch_embed.proj.weight.dtype
-        return tower(pixel_values.astype(dtype), mx.array([grid]), output_hidden_states=False)
+    def encode_image(self, pixels: np.ndarray, grid: tuple[int, int, int]) -> mx.array:
+        """The vision tower's (placeholders, W) output for one preprocessed image (float32
+        pixel values as the processor gave them), as the tower cache keeps it."""
+        return self.family.encode(np.asarray(pixels, dtype=np.float32), tuple(grid))
 
     def span(self, start: int, grid: tuple[int, int, int]) -> ImageSpan:
         return ImageSpan(start, tuple(grid), self.merge)
@@ -90,13 +91,13 @@ class VisionLanguageModel(nn.Module):
         real = mx.where(inputs >= self.vocab_size, self.image_token_id, inputs)
         h = text.model.embed_tokens(real)
         if images is not None:
-            h = mx.where(images.mask[..., None], images.values.astype(h.dtype), h)
-        if positions is None:
+            merged = self.family.merged(images.values)
+            h = mx.where(images.mask[..., None], merged.astype(h.dtype), h)
+        if positions is None and self.mrope:
             positions = self._text_positions(inputs.shape, cache, rope_deltas)
-        out = text.model(real, inputs_embeds=h, cache=cache, position_ids=positions)
-        if text.args.tie_word_embeddings:
-            return text.model.embed_tokens.as_linear(out)
-        return text.lm_head(out)
+        out = self.family.run(real, h, cache, positions, images)
+        head = getattr(text, "lm_head", None)  # absent where tied to the embeddings
+        return head(out) if head is not None else text.model.embed_tokens.as_linear(out)
 
     @staticmethod
     def _text_positions(shape, cache, rope_deltas) -> mx.array:
@@ -109,13 +110,12 @@ class VisionLanguageModel(nn.Module):
         return mx.broadcast_to((start + mx.arange(L, dtype=mx.int32))[None], (3, B, L))
 
 
-def image_features(
-    rows: list[list[tuple[int, mx.array]]], length: int, width: int
-) -> ImageFeatures | None:
+def image_features(rows: list[list[tuple[int, mx.array]]], length: int) -> ImageFeatures | None:
     """A pass's `ImageFeatures`: per row, (column, embeddings) of each run of image tokens
     it computes, the embeddings one per token from that column on."""
     if not any(rows):
         return None
+    width = next(e for runs in rows for _, e in runs).shape[-1]
     mask = np.zeros((len(rows), length), dtype=bool)
     values = []
     for b, runs in enumerate(rows):

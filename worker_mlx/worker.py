@@ -140,6 +140,9 @@ def serve(
                 reply.collective_seconds = probe.take()
             if disk is not None and not isinstance(reply, WorkerError):
                 reply.disk = disk.report()
+            vision = engine.runner.vision
+            if vision is not None and isinstance(reply, StepResult):
+                reply.vision_counts = [vision.tower_runs, vision.cache_hits]
             outbox.send(encode(reply))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead

@@ -45,6 +45,8 @@ class ApiContext:
         # a Hugging Face id)
         model_dir = getattr(tokenizer, "name_or_path", None) or args.model_path
         self.vision = VisionInputs.of(model_dir, tokenizer, limits)
+        if self.vision is not None:
+            self.tok.expand_text = self.strict_tok.expand_text = self.vision.expand_text
 
     async def take_images(self, messages: list) -> tuple[list, list[Prepared]]:
         """The chat with its images taken out (a vision model's; else as it is)."""

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from common.image_keys import stray_pads
 from common.messages import InvalidParam, Output, SamplingParams
 from router.api.chat_format import ChatFormat, template_messages
 from router.api.detokenizer import IncrementalDetokenizer
@@ -32,6 +33,9 @@ class Tokenization:
         self.manager = manager
         self.clamp = clamp
         self.chat_format = ChatFormat.of(tokenizer)
+        # a vision model's: what its processor does to a rendered prompt before tokenizing
+        # (Gemma 3's image marker becomes its whole image text; common/vision_layout.py)
+        self.expand_text: Callable[[str], str] | None = None
 
     def encode_text(self, text: str) -> list[int]:
         """A text prompt as mlx_lm.server encodes it: with the special tokens the tokenizer
@@ -45,6 +49,8 @@ class Tokenization:
         """A chat prompt from `render_chat` as token ids. The template writes the BOS itself,
         so the tokenizer adds no second one (apply_chat_template(tokenize=True), which
         mlx_lm.server calls, encodes so too)."""
+        if self.expand_text is not None:
+            prompt = self.expand_text(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def render_chat(
@@ -90,8 +96,8 @@ class Tokenization:
         if not input_ids:
             raise RequestError("the prompt is empty")
         if min(input_ids) < 0 or max(input_ids) >= vocab:
-            pads = {image.pad for image in getattr(input_ids, "images", ())}  # image runs
-            if min(input_ids) < 0 or not {t for t in input_ids if t >= vocab} <= pads:
+            images = getattr(input_ids, "images", ())  # pad values are inside image runs
+            if min(input_ids) < 0 or stray_pads(input_ids, 0, images, vocab):
                 raise RequestError(f"prompt token ids must be in [0, {vocab})")
         try:
             sampling.validate(vocab)

@@ -1,15 +1,18 @@
 """A vision model's images in chat requests: from content parts to the worker's inputs.
 
-OpenAI's `image_url` parts (and Anthropic's `image` blocks, converted to them by
-router.api.anthropic_api) are taken out of the chat before it is rendered: each becomes
-the text the model's template writes for one image (Qwen-VL's
-`<|vision_start|><|image_pad|><|vision_end|>`), and its bytes are read (a `data:` URL, a
-`file:` URL, an `http(s)` URL only with --allow-image-urls), decoded and preprocessed
-with the model's own image processor (mlx-vlm's, torch-free) in a thread, off the event
-loop. After tokenization each image's one placeholder token becomes its run: as many
-tokens as the processor's grid gives, each the image's pad value (common/image_keys.py),
-so the radix cache keys on the image's identity; `PromptIds.images` carries the pixels,
-grids and pad values to the scheduler and worker.
+OpenAI's `image_url` parts (and Anthropic's `image` blocks and the Responses API's
+`input_image` parts, converted to them) are taken out of the chat before it is rendered:
+each becomes the text the model's template writes for one image (its family's
+`ImageLayout`, common/vision_layout.py: Qwen-VL's `<|vision_start|><|image_pad|>
+<|vision_end|>`, Gemma 3's `<start_of_image>`), and its bytes are read (a `data:` URL, a
+`file:` URL, an `http(s)` URL only with --allow-image-urls), decoded and preprocessed with
+the model's own image processor (mlx-vlm's, torch-free) in a thread, off the event loop;
+the same bytes again (every turn of a conversation resends its images) take the last
+result from an LRU by digest (256 MiB) instead. After tokenization each image's one
+placeholder token becomes its run: as many tokens as the processor's grid gives, the
+image's pad values (common/image_keys.py), so the radix cache keys on its identity;
+`PromptIds.images` carries the pixels, grids, run lengths and digests to the scheduler
+and worker.
 
 Every refusal is a 400 naming the part: over --max-images-per-request or
 --max-image-bytes (a base64 payload is measured before it is decoded), bytes that are
@@ -23,20 +26,23 @@ import base64
 import binascii
 import io
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import numpy as np
 
-from common.image_keys import image_hash, pad_value
+from common.image_keys import image_hash, pad_values
 from common.messages import ImagePart
+from common.vision_layout import ImageLayout, image_layout
 from router.request_error import RequestError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-SERVED_TYPES = ("qwen2_5_vl", "qwen2_vl")  # as worker_mlx.vision_model.SUPPORTED_TYPES
 URL_TIMEOUT = 10.0
 MAX_PIXELS = 64 * 1024 * 1024  # decoded pixels of one image (PIL's bomb check at 2x)
+PREPARED_CACHE_BYTES = 256 << 20
 
 
 class PromptIds(list):
@@ -66,14 +72,20 @@ class VisionInputs:
     """The served vision model's image handling (`of` a model directory: None for a
     model without a vision tower, whose image parts the chat's checks refuse)."""
 
-    def __init__(self, config: dict, processor, tokenizer, limits: Limits):
-        self.image_token_id = int(config["image_token_id"])
-        self.vocab_size = int(config["vocab_size"])
-        self.merge = int(config["vision_config"].get("spatial_merge_size", 2))
+    def __init__(self, layout: ImageLayout, processor, tokenizer, limits: Limits):
+        self.layout = layout
         self.processor = processor
-        run = [config["vision_start_token_id"], self.image_token_id, config["vision_end_token_id"]]
-        self.image_text = tokenizer.decode(run)
+        self.tokenizer = tokenizer
+        self.image_text = layout.image_text(tokenizer)
         self.limits = limits
+        # preprocessed images by digest, LRU, bounded in bytes (`_prepare`; threads fill it)
+        self._prepared: OrderedDict[bytes, Prepared] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def expand_text(self, prompt: str) -> str:
+        """The rendered prompt as the model's processor rewrites it before tokenizing."""
+        return self.layout.expand_text(self.tokenizer, prompt)
 
     @classmethod
     def of(cls, model_path: str, tokenizer, limits: Limits) -> VisionInputs | None:
@@ -81,13 +93,14 @@ class VisionInputs:
             config = json.loads((Path(model_path) / "config.json").read_text())
         except (OSError, ValueError):
             return None
-        if "vision_config" not in config or config.get("model_type") not in SERVED_TYPES:
+        layout = image_layout(config)
+        if layout is None:
             return None
         from mlx_vlm.utils import get_model_and_args, load_processor
 
         get_model_and_args(config)  # imports the family's module: its processor's registration
         processor = load_processor(model_path, add_detokenizer=False).image_processor
-        return cls(config, processor, tokenizer, limits)
+        return cls(layout, processor, tokenizer, limits)
 
     async def take(self, messages: list) -> tuple[list, list[Prepared]]:
         """The chat with each image part replaced by the model's image text, and the
@@ -119,7 +132,7 @@ class VisionInputs:
         pad values."""
         if not images:
             return ids
-        at = [k for k, t in enumerate(ids) if t == self.image_token_id]
+        at = [k for k, t in enumerate(ids) if t == self.layout.image_token_id]
         if len(at) != len(images):
             raise RequestError(
                 f"the prompt holds {len(at)} image placeholders for {len(images)} images"
@@ -127,10 +140,10 @@ class VisionInputs:
         out, parts, last = [], [], 0
         for k, image in zip(at, images):
             out += ids[last:k]
-            pad = pad_value(image.digest, self.vocab_size)
-            n = int(np.prod(image.grid)) // self.merge**2
-            parts.append(ImagePart(len(out), image.grid, pad, image.pixels.tobytes()))
-            out += [pad] * n
+            n = self.layout.run_length(image.grid)
+            pads = pad_values(image.digest, self.layout.vocab_size, n)
+            parts.append(ImagePart(len(out), image.grid, n, image.digest, image.pixels.tobytes()))
+            out += pads
             last = k + 1
         return PromptIds(out + ids[last:], parts)
 
@@ -202,6 +215,24 @@ class VisionInputs:
         return bytes(data)
 
     def _prepare(self, where: str, data: bytes) -> Prepared:
+        """One image's grid and pixels: the processor's, or the last ones of the same bytes
+        (a conversation sends its images again every turn; decoding and preprocessing them
+        would cost the turn what its cached KV saved)."""
+        digest = image_hash(data)
+        with self._lock:
+            hit = self._prepared.get(digest)
+            if hit is not None:
+                self._prepared.move_to_end(digest)
+                return Prepared(where, digest, hit.pixels, hit.grid)
+        prepared = self._preprocess(where, data, digest)
+        with self._lock:
+            self._prepared[digest] = prepared
+            self._held += prepared.pixels.nbytes
+            while self._held > PREPARED_CACHE_BYTES:
+                self._held -= self._prepared.popitem(last=False)[1].pixels.nbytes
+        return prepared
+
+    def _preprocess(self, where: str, data: bytes, digest: bytes) -> Prepared:
         """Decode (PIL) and preprocess (the model's processor) one image."""
         from PIL import Image
 
@@ -224,7 +255,5 @@ class VisionInputs:
             raise RequestError(
                 f"{where}: the bytes are not an image ({exc})", param=where
             ) from None
-        out = self.processor(images=[image])
-        grid = [int(x) for x in np.asarray(out["image_grid_thw"])[0]]
-        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        return Prepared(where, image_hash(data), pixels, grid)
+        ((grid, pixels),) = self.layout.per_image(self.processor(images=[image]))
+        return Prepared(where, digest, pixels, grid)

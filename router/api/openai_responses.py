@@ -11,6 +11,7 @@ key on the same replica.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class ResponsesRoutes:
         if problem:
             raise RequestError(problem, "unsupported_parameter")
         functions = req.function_tools()
-        turn = self._plan(api, req, chat_tools(functions))
+        turn = await self._plan(api, req, chat_tools(functions))
         max_new = api.tok.fit(len(turn.ids), req.max_output_tokens)
         sampling = req.sampling(max_new, turn.grammar)
         rid = new_id("resp")
@@ -87,7 +88,9 @@ class ResponsesRoutes:
             headers={"Cache-Control": "no-cache"},
         )  # fmt: skip
 
-    def _plan(self, api: ApiContext, req: ResponsesRequest, tools: list[dict] | None) -> _Turn:
+    async def _plan(
+        self, api: ApiContext, req: ResponsesRequest, tools: list[dict] | None
+    ) -> _Turn:
         tok = api.tok
         prev = None
         if req.previous_response_id is not None:
@@ -99,7 +102,14 @@ class ResponsesRoutes:
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         kwargs = req.template_kwargs()
         grammar = output_grammar(req.response_format(), req.regex, req.ebnf)
-        continuation = Continuation(tok, prev, system, tools, kwargs) if prev else None
+        # input_image parts, as chat's image_url parts: read, preprocessed, their runs
+        # written as pad values (router.api.image_inputs). A conversation with images is
+        # rendered whole each turn, as the chat route does (its runs are the same pad
+        # values, so the cache still holds them): the previous ids know no image parts.
+        chat, images = await api.take_images(copy.deepcopy(system + messages))
+        continuation = None
+        if prev is not None and not images:
+            continuation = Continuation(tok, prev, system, tools, kwargs)
         rendered = []
 
         def encode(text: str) -> list[int]:
@@ -107,10 +117,10 @@ class ResponsesRoutes:
             return continuation.encode(text) if continuation else tok.encode_rendered(text)
 
         ids, prompt, grammar = plan_chat(
-            tok, system + messages, tools, chat_tool_choice(req.tool_choice), kwargs, grammar,
+            tok, chat, tools, chat_tool_choice(req.tool_choice), kwargs, grammar,
             req.max_output_tokens, encode=encode,
         )  # fmt: skip
-        return _Turn(ids, prompt, grammar, messages, rendered[0])
+        return _Turn(api.with_images(ids, images), prompt, grammar, messages, rendered[0])
 
     def _head(self, api: ApiContext, req: ResponsesRequest, rid: str, functions: list[dict],
               sampling) -> dict:  # fmt: skip

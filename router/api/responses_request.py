@@ -278,9 +278,36 @@ def _message(item: dict, where: str) -> dict:
         raise RequestError(
             f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}", param=f"{where}.role"
         )
-    content = _text(item.get("content"), f"{where}.content")
+    value = item.get("content")
+    images = isinstance(value, list) and any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in value
+    )
+    if images and role == "user":  # chat parts, for the image pipeline (api.image_inputs)
+        content = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(value)]
+    else:
+        content = _text(value, f"{where}.content")
     # developer messages are system text: chat templates know no developer role
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+DETAILS = ("auto", "low", "high")
+
+
+def _part(part, where: str) -> dict:
+    """A user message's part as chat's: an `input_image` (its `image_url`, a data:, file:
+    or http(s) URL, and `detail`) as an `image_url` part, anything else as text."""
+    if not (isinstance(part, dict) and part.get("type") == "input_image"):
+        return {"type": "text", "text": _text_part(part, where)}
+    url, detail = part.get("image_url"), part.get("detail", "auto")
+    if not isinstance(url, str):
+        what = "file_id images are not served" if "file_id" in part else "it needs a string"
+        raise RequestError(f"{where}.image_url: {what}; send the image as a data: URL",
+                           param=f"{where}.image_url")  # fmt: skip
+    if detail not in DETAILS:
+        raise RequestError(f"{where}.detail must be one of {', '.join(DETAILS)}",
+                           param=f"{where}.detail")  # fmt: skip
+    # the model's processor decides the size, whatever the detail (as on the chat route)
+    return {"type": "image_url", "image_url": {"url": url, "detail": detail}, "_where": where}
 
 
 def _text(value, where: str) -> str:
