@@ -491,10 +491,12 @@ class ServerArgs:
             # the disk's block keys name an adapter by its --lora position, which a restart
             # may give to another adapter, and the fingerprint does not cover adapters yet
             raise ValueError("--kv-disk-dir is not yet supported with --lora")
-        if self.several_models and self.lora:
-            raise ValueError(
-                "--lora adapts the one model of --model-path: not yet with several models"
-            )
+        if not self.several_models:  # with several, the registry matches each to its base
+            for spec in self.loras:
+                if spec.base and spec.base not in self.served_model_names:
+                    raise ValueError(
+                        f"{spec.flag}: no model {spec.base!r}; serving {self.model_name!r}"
+                    )
 
     @property
     def several_models(self) -> bool:

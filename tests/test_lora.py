@@ -103,13 +103,15 @@ def test_an_adapter_of_another_base_is_refused_with_what_differs(
         (["=/x"], "expected NAME=PATH"),
         (["a=/x", "a=/y"], "given twice"),
         (["m=/x"], "other than the model's"),
-        (["b:c=/x"], "without ':'"),
+        (["b:c=/x", "c=/y"], "given twice"),
     ],
 )
 def test_bad_lora_flags_name_the_flag(flags, error):
     with pytest.raises(ValueError, match=error):
         parse_lora_flags(flags, ["m"])
     assert [s.name for s in parse_lora_flags(["a=/x", "b=/y"], ["m"])] == ["a", "b"]
+    # BASE:NAME=PATH names the model it adapts (a base's name may hold ':')
+    assert parse_lora_flags(["q:8b:c=/x"], ["m"]) == [LoraSpec("c", "/x", "q:8b")]
 
 
 # ---------------------------------------------------------------- the scheduler

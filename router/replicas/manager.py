@@ -35,6 +35,8 @@ from common.messages import (
     EmbedOut,
     EmbedReq,
     GenerateReq,
+    LoraUpdate,
+    LoraUpdated,
     ReqError,
     SamplingParams,
     SchedulerReady,
@@ -143,7 +145,7 @@ class RouterManager:
             self.trace("tokens", *(out.rid for out in msg.outputs))
             for out in msg.outputs:
                 self._deliver(replica, out.rid, out)
-        elif isinstance(msg, EmbedOut):
+        elif isinstance(msg, (EmbedOut, LoraUpdated)):
             self._deliver(replica, msg.rid, msg)
         elif isinstance(msg, ReqError):
             headers = {"Retry-After": str(math.ceil(msg.retry_after))} if msg.retry_after else None
@@ -176,7 +178,7 @@ class RouterManager:
         self._settled.set()
 
     def _deliver(
-        self, replica: Replica, rid: str, item: TokenOut | EmbedOut | RequestError
+        self, replica: Replica, rid: str, item: TokenOut | EmbedOut | LoraUpdated | RequestError
     ) -> None:
         pending = self.pending.get(rid)
         if pending is not None and pending.replica is replica:
@@ -375,6 +377,26 @@ class RouterManager:
                 pending.replica.in_flight.discard(rid)
                 if not finished:
                     self._send_nowait(pending.replica, AbortReq(rid))
+
+    async def update_lora(self, lora: int, name: str, path: str = "") -> None:
+        """Load the adapter at `path` as id `lora` on every serving replica, or (no path)
+        unload it once its requests there are done; RequestError (400) with the worker's
+        reason if one refuses."""
+        await self._wait_serving()
+        for replica in self.replicas.serving():
+            rid = uuid.uuid4().hex
+            self.pending[rid] = pending = _Pending(replica=replica)
+            replica.in_flight.add(rid)  # a replica lost meanwhile answers with _Lost
+            try:
+                await replica.link.send(encode(LoraUpdate(rid, lora, name, path)))
+                item = await pending.queue.get()
+            finally:
+                self.pending.pop(rid, None)
+                replica.in_flight.discard(rid)
+            if isinstance(item, (_Lost, RequestError)):
+                raise item.error if isinstance(item, _Lost) else item
+            if item.error:
+                raise RequestError(item.error, param="lora_path" if path else "lora_name")
 
     def _retry_possible(self, lost: _Lost) -> bool:
         others = [r for r in self.replicas.serving() if r is not lost.replica]
