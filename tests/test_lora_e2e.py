@@ -120,3 +120,31 @@ def test_an_adapter_of_another_base_is_refused_at_start_up(tiny_adapters, model_
     lines = [line for line in out.stderr.splitlines() if "cannot serve this adapter" in line]
     assert len(lines) == 1, out.stderr
     assert "--lora x=" in lines[0] and "an adapter of another base" in lines[0]
+
+
+def test_an_adapter_loads_at_run_time_beside_the_flags_ones(
+    lora_server, tiny_model, tiny_adapters, model_cache
+):
+    """One model: /admin/loras/load serves a third adapter (mlx-lm's own tokens), which
+    runs in the same batches as the others; unloaded, its name is a 404 again."""
+    from pathlib import Path
+
+    from common.tiny_adapter import build_tiny_adapter
+
+    path = str(build_tiny_adapter(tiny_model, Path(model_cache) / "lora-tiny-s5", seed=5))
+    url = lora_server.url + "/admin/loras/"
+    r = httpx.post(url + "load", json={"lora_name": "a5", "lora_path": path}, timeout=60)
+    assert r.status_code == 200 and r.json()["parent"] == os.path.basename(tiny_model), r.text
+    a1 = tiny_adapters[0]
+    jobs = [("a5", path, _prompt(40)), ("a1", a1, _prompt(41)), ("a5", path, _prompt(42))]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: _complete(lora_server, j[0], j[2], 6), jobs))
+    for (model, adapter, prompt), res in zip(jobs, results):
+        want = adapter_greedy(tiny_model, adapter, prompt, 6)
+        assert res["choices"][0]["token_ids"] == want, model
+    r = httpx.post(url + "unload", json={"lora_name": "a5"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"model": "a5", "prompt": [5, 6], "max_tokens": 2}
+    assert httpx.post(lora_server.url + "/v1/completions", json=body).status_code == 404
+    r = httpx.post(url + "unload", json={"lora_name": "a5"}, timeout=60)
+    assert r.status_code == 404 and "a5" in r.text
