@@ -109,9 +109,12 @@ def test_each_adapter_goes_to_its_one_base(tiny_model, tiny_adapters, model_cach
     small = str(ensure_tiny_model(model_cache, preset="small"))
     qwen, other = Path(tiny_model).name, Path(small).name
     a1, a2 = tiny_adapters
-    args = _serve_args("--model-path", small, "--model-path", tiny_model, "--lora",
-                       f"a1={a1}", "--lora", f"{qwen}:a2={a2}")  # fmt: skip
-    registry = ModelRegistry.from_args(args)
+    argv = ["--model-path", small, "--model-path", tiny_model, "--lora", f"a1={a1}",
+            "--lora", f"{qwen}:a2={a2}"]  # fmt: skip
+    registry = ModelRegistry.from_args(_serve_args(*argv))
+    globbed = ModelRegistry.from_args(_serve_args(*argv, "--model-alias", f"*={other}"))
+    assert globbed.find("anything").name == other  # a glob of every name: adapters go first
+    assert globbed.find("a2").name == globbed.find(f"{qwen}:a1").name == qwen
     assert [s.name for s in registry.entries[qwen].loras] == ["a1", "a2"]
     assert not registry.entries[other].loras
     for name in ("a1", "a2", f"{qwen}:a1"):

@@ -46,7 +46,8 @@ class LoraControl:
     async def load(self, name: str, path: str) -> None:
         """Serve the adapter at `path` as `name` (400: taken, or not an adapter of it)."""
         self._refuse_here()
-        if name in self.names.loras or self.names.accepts(name) or ":" in name:
+        names = self.names
+        if name in names.loras or name in (*names.served, names.model_path) or ":" in name:
             raise RequestError(f"lora_name {name!r} is taken or has a ':'", param="lora_name")
         problem = adapter_problem(self.args.model_path, path)
         if problem:

@@ -51,12 +51,14 @@ class ModelEntry:
         """`name` is `NAME` or `BASE:NAME` of one of its adapters."""
         base, _, lora = name.rpartition(":")
         mine = any(spec.name == lora for spec in self.loras)
-        return mine and (not base or self.answers(base))
+        return mine and (not base or self.named(base))
+
+    def named(self, name: str) -> bool:
+        """`name` is one of its own names (not only a match of an alias glob)."""
+        return name in (self.name, self.given or self.path) or name in self.extra_names
 
     def answers(self, name: str) -> bool:
-        if name in (self.name, self.given or self.path) or name in self.extra_names:
-            return True
-        return any(fnmatchcase(name, pattern) for pattern in self.aliases)
+        return self.named(name) or any(fnmatchcase(name, pattern) for pattern in self.aliases)
 
     def weights_bytes(self) -> int:
         """The size of its weight files: the least memory it can load in."""
@@ -115,12 +117,14 @@ class ModelRegistry:
     def base_of(self, spec: LoraSpec) -> ModelEntry:
         """The model the adapter belongs to: its BASE, else the one it applies to;
         ValueError (one line) if none, or it does not apply to its BASE."""
-        for entry in self.entries.values():
-            if entry.answers(spec.name) or any(s.name == spec.name for s in entry.loras):
+        for entry in self.entries.values():  # (an alias glob may match it: the adapter wins)
+            if entry.named(spec.name) or any(s.name == spec.name for s in entry.loras):
                 raise ValueError(f"{spec.flag}: {spec.name!r} is already a model's name")
         if not spec.base:
             return self.entries[match_base(spec, {e.name: e.path for e in self})]
-        base = next((e for e in self if e.answers(spec.base)), None)
+        base = next((e for e in self if e.named(spec.base)), None) or next(
+            (e for e in self if e.answers(spec.base)), None
+        )
         if base is None:
             raise ValueError(f"{spec.flag}: no model {spec.base!r}; {self.listing()}")
         check_loras(base.path, [spec])
