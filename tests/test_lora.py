@@ -234,3 +234,35 @@ def test_adapter_names_go_before_alias_globs():
     assert names.reported_for("m:b") == "b" and names.reported_for("claude-x") == "m"
     strict = ModelNames(["m"], [], "/models/m", ["a"])
     assert strict.adapter("x:a") is None and strict.adapter("c") is None
+
+
+def test_adapters_load_and_unload_while_rows_decode(tiny_model, tiny_adapters):
+    """A runner that started with no adapter (the runtime bank) loads one between steps
+    while a base row decodes, serves a row of it beside that row, unloads it, and serves a
+    row of another adapter loaded in the same stack row: every row token-exact. The
+    compiled step is traced afresh at each change (it holds the stacks as constants: a
+    stale trace would run the first adapter's factors for the second)."""
+    from mlx_lm import load
+
+    from common.messages import LoraUpdate
+    from worker_mlx.lora import make_bank
+
+    model, _ = load(tiny_model)
+    h = Harness(tiny_model, model=model, lora=make_bank(model, [], runtime=True),
+                compile_decode=True, prefill_step=16)  # fmt: skip
+    rng = random.Random(11)
+    prompts = {rid: random_prompt(rng, 12, h.vocab) for rid in ("base", "one", "two")}
+    _start(h, {"base": prompts["base"]}, {"base": 0})
+    h.decode()
+    for rid, lora, path in (("one", 1, tiny_adapters[0]), ("two", 2, tiny_adapters[1])):
+        answer = h.runner.update_lora(LoraUpdate("u", lora, rid, path))
+        assert answer.error == ""
+        _start(h, {rid: prompts[rid]}, {rid: lora})
+        for _ in range(4):
+            h.decode()
+        h.release([ReleaseReq(rid, flush=True)])
+        assert h.runner.update_lora(LoraUpdate("u", lora, rid)).error == ""
+        assert h.out[rid] == adapter_greedy(tiny_model, path, prompts[rid], len(h.out[rid]))
+    assert h.out["base"] == adapter_greedy(tiny_model, None, prompts["base"], len(h.out["base"]))
+    refused = h.runner.update_lora(LoraUpdate("u", 3, "x", tiny_model))
+    assert refused.error.startswith("LoRA adapter x: ") and "adapter_config.json" in refused.error
