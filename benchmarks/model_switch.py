@@ -11,6 +11,9 @@ no prefix is cached) streaming `--max-tokens` greedy tokens; the client times it
 its decode time per token (TPOT). Per model: the median in a row, alternating, and their
 ratio. The target (issue 33): no cost beyond each model's own step, a ratio of 1.0 within
 the machine's noise. Rounds interleave the two orders so the machine's drift hits both.
+With --gap S the client waits S seconds before each request, so every request meets
+processes that idled (on the CPU, a process that just ran answers faster than one that
+waited, whichever model it serves).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def run_rounds(url: str, models: list[str], args: argparse.Namespace) -> list[di
         }
         for order, sequence in orders.items():
             for model in sequence:
+                time.sleep(args.gap)
                 prompt = [rng.randrange(3, 500) for _ in range(args.prompt_len)]
                 ttft, tpot = timed_request(url, model, prompt, args.max_tokens)
                 rows.append({"round": i, "order": order, "model": model, "ttft_s": ttft,
@@ -88,6 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=6, help="per model and order in a round")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--gap", type=float, default=0.0, help="seconds idle before each request")
     p.add_argument("--model-path", default=None, help="default: the tiny Qwen3")
     p.add_argument("--other-model-path", default=None, help="default: the tiny Llama")
     p.add_argument("--out", default="bench_results", help="directory for the JSON record")
