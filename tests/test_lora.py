@@ -148,6 +148,36 @@ def test_an_unknown_adapter_id_is_refused():
     assert err.code == "model_not_found" and "id 2" in err.message
 
 
+def test_an_unload_waits_for_the_adapters_requests_and_refuses_new_ones():
+    """scheduler/lora_updates.py: an unload is held while a request of its adapter runs
+    (the process takes updates between steps), a new request of it is refused at once,
+    and a load of an id in use is refused; a load serves once the worker answered."""
+    from common.messages import LoraUpdate, LoraUpdated
+
+    s = make_scheduler(lora=["a=/x"])
+    updates = s.lora_updates
+    sampling = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    s.on_request(GenerateReq("r", PROMPT, sampling, lora=1))
+    run_step(s)
+    s.on_request(LoraUpdate("u1", 1, "a"))
+    s.on_request(GenerateReq("late", PROMPT, sampling, lora=1))
+    (refused,) = [o for o in s.take_outputs() if o.rid == "late"]
+    assert "id 1" in refused.message
+    assert updates.take(s.reqs.values()) is None  # "r" still runs
+    while "r" in s.reqs:
+        run_step(s)
+    unload = updates.take(s.reqs.values())
+    assert unload.rid == "u1" and updates.done(unload, LoraUpdated("u1", 1)).error == ""
+    s.on_request(LoraUpdate("u2", 2, "b", "/y"))
+    s.on_request(LoraUpdate("u3", 2, "c", "/z"))
+    (taken,) = [o for o in s.take_outputs() if isinstance(o, LoraUpdated)]
+    assert taken.rid == "u3" and "in use" in taken.error
+    load = updates.take(s.reqs.values())
+    assert not updates.serves(2)
+    updates.done(load, LoraUpdated("u2", 2))
+    assert updates.serves(2) and not updates.serves(1)
+
+
 def test_a_batch_holds_at_most_max_loras_per_batch_adapters():
     s = make_scheduler(lora=["a=/x", "b=/y", "c=/z"], max_loras_per_batch=2)
     sampling = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
