@@ -110,7 +110,8 @@ class Scheduler:
             return
         error = self._reject_reason(msg)
         if error is not None:
-            self.outputs.append(ReqError(msg.rid, error[1], code=error[0]))
+            status = 404 if error[0] == "model_not_found" else 400  # an adapter it lacks
+            self.outputs.append(ReqError(msg.rid, error[1], code=error[0], status=status))
             return
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
         req.lora = msg.lora

@@ -145,7 +145,7 @@ def test_an_unknown_adapter_id_is_refused():
     s = make_scheduler(lora=["a=/x"])
     s.on_request(GenerateReq("r", PROMPT, SamplingParams(max_new_tokens=2), lora=2))
     (err,) = s.take_outputs()
-    assert err.code == "model_not_found" and "id 2" in err.message
+    assert err.code == "model_not_found" and err.status == 404 and "id 2" in err.message
 
 
 def test_an_unload_waits_for_the_adapters_requests_and_refuses_new_ones():

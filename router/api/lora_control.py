@@ -8,13 +8,14 @@ a later adapter, even one loaded under the same name. An unload takes the name a
 once (new requests get 404) and ends when the scheduler has finished the adapter's
 requests already admitted: never under them.
 
-A pair that restarts (--max-restarts) comes back with its --lora adapters only; adapters
-loaded at run time must be loaded again (the router still lists them: their requests
-get a 404 from the scheduler meanwhile).
+A replica that restarts comes back with its --lora adapters only: the run-time ones are
+sent to it again, under their ids, as soon as it reports ready (their requests meanwhile
+get a 404 from its scheduler).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -32,6 +33,23 @@ class LoraControl:
     def __init__(self, manager: RouterManager, names: ModelNames, args: ServerArgs):
         self.manager, self.names, self.args = manager, names, args
         self.ids = itertools.count(max(names.loras.values(), default=0) + 1)
+        self.loaded: dict[str, tuple[int, str]] = {}  # run-time adapters: name -> (id, path)
+        self.tasks: set[asyncio.Task] = set()
+        manager.ready_hooks.append(self._replay)
+
+    def _replay(self, replica) -> None:
+        """A (re)started replica: the adapters loaded at run time, again."""
+        for name, (lora, path) in self.loaded.items():
+            task = asyncio.create_task(self._reload(replica, lora, name, path))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _reload(self, replica, lora: int, name: str, path: str) -> None:
+        try:
+            await self.manager.update_replica_lora(replica, lora, name, path)
+            logger.info("LoRA adapter %s loaded again on %s", name, self.names.reported)
+        except RequestError as exc:
+            logger.error("LoRA adapter %s: not loaded again: %s", name, exc.message)
 
     def _refuse_here(self) -> None:
         """Where adapters cannot load at run time: 400 naming the flag."""
@@ -58,12 +76,14 @@ class LoraControl:
         lora = next(self.ids)
         await self.manager.update_lora(lora, name, os.path.abspath(path))
         self.names.loras[name] = lora
+        self.loaded[name] = (lora, os.path.abspath(path))
         logger.info("LoRA adapter %s loaded (id %d) on %s: %s", name, lora,
                     self.names.reported, path)  # fmt: skip
 
     async def unload(self, name: str) -> None:
         """Stop serving adapter `name` once its requests in flight are done (404: none)."""
         lora = self.names.loras.pop(name, None)  # new requests naming it: 404 from now on
+        self.loaded.pop(name, None)
         if lora is None:
             raise RequestError(f"no LoRA adapter {name!r} is loaded", "model_not_found", 404,
                                param="lora_name")  # fmt: skip

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -97,6 +97,8 @@ class RouterManager:
         self.down_reason = ""  # the last replica failure, while none serves
         self._settled = asyncio.Event()  # set while a replica is ready, draining or stopped
         self._receivers: list[asyncio.Task] = []
+        # called with each replica that reports ready (a restart's too): LoraControl's
+        self.ready_hooks: list[Callable[[Replica], None]] = []
         for replica in replicas:
             self._declare(replica)
 
@@ -173,6 +175,8 @@ class RouterManager:
         if self.metrics:
             self.metrics.observe_ready(msg, replica.id)  # before /health can say 200
         replica.ready_event.set()
+        for hook in self.ready_hooks:
+            hook(replica)
         if len(self.replicas) > 1:
             logger.info("replica %s ready (%s)", replica.id, replica.address)
         self._settled.set()
@@ -384,19 +388,23 @@ class RouterManager:
         reason if one refuses."""
         await self._wait_serving()
         for replica in self.replicas.serving():
-            rid = uuid.uuid4().hex
-            self.pending[rid] = pending = _Pending(replica=replica)
-            replica.in_flight.add(rid)  # a replica lost meanwhile answers with _Lost
-            try:
-                await replica.link.send(encode(LoraUpdate(rid, lora, name, path)))
-                item = await pending.queue.get()
-            finally:
-                self.pending.pop(rid, None)
-                replica.in_flight.discard(rid)
-            if isinstance(item, (_Lost, RequestError)):
-                raise item.error if isinstance(item, _Lost) else item
-            if item.error:
-                raise RequestError(item.error, param="lora_path" if path else "lora_name")
+            await self.update_replica_lora(replica, lora, name, path)
+
+    async def update_replica_lora(self, replica: Replica, lora: int, name: str, path: str) -> None:
+        """`update_lora` on one replica."""
+        rid = uuid.uuid4().hex
+        self.pending[rid] = pending = _Pending(replica=replica)
+        replica.in_flight.add(rid)  # a replica lost meanwhile answers with _Lost
+        try:
+            await replica.link.send(encode(LoraUpdate(rid, lora, name, path)))
+            item = await pending.queue.get()
+        finally:
+            self.pending.pop(rid, None)
+            replica.in_flight.discard(rid)
+        if isinstance(item, (_Lost, RequestError)):
+            raise item.error if isinstance(item, _Lost) else item
+        if item.error:
+            raise RequestError(item.error, param="lora_path" if path else "lora_name")
 
     def _retry_possible(self, lost: _Lost) -> bool:
         others = [r for r in self.replicas.serving() if r is not lost.replica]
