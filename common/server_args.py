@@ -278,8 +278,9 @@ class ServerArgs:
         None,
         "serve the LoRA adapter at PATH (what mlx_lm.lora writes) as model NAME, or "
         "BASE:NAME; requests of different adapters and of the base share batches "
-        "(repeatable)",
-        metavar="NAME=PATH",
+        "(repeatable). With several models, BASE:NAME=PATH gives it to model BASE, NAME=PATH "
+        "to the one model it fits",
+        metavar="[BASE:]NAME=PATH",
         action="extend",
     )
     max_loras_per_batch: int = flag(
