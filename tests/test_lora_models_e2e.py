@@ -79,6 +79,8 @@ def test_each_model_and_adapter_matches_mlx_lm_and_embeddings_are_right(served, 
     out = client.embeddings.create(model=embed, input=[prompt, prompt[:7]])
     for item, row in zip(out.data, [prompt, prompt[:7]]):
         np.testing.assert_allclose(item.embedding, reference(embed_dir, row, "last"), atol=1e-4)
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter, which does not embed"):
+        client.embeddings.create(model="a1", input="x")
     listed = {m.id: m.model_extra for m in client.models.list().data}
     assert set(listed) >= {*models, "a2"} - {next(m for m in models if ":" in m)}
     assert listed["a1"]["parent"] == listed["a2"]["parent"] == os.path.basename(models["a1"][0])
