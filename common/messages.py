@@ -111,6 +111,8 @@ class LoraUpdated:
     lora: int
     error: str = ""
     step: int = -1
+    # bytes the worker's adapters hold now less before (its --max-memory admission counts it)
+    held_delta: int = 0
 
 
 @dataclass

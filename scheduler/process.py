@@ -108,6 +108,7 @@ class SchedulerProcess:
         update.step = self.sched.step
         self.to_worker.send(encode(update))
         answer = self.sched.lora_updates.done(update, self._wait_result(update))
+        self.sched.adapters_changed(answer.held_delta)
         self.to_router.send(encode(answer))
 
     def _wait_worker_ready(self) -> WorkerReady:

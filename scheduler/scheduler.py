@@ -121,6 +121,12 @@ class Scheduler:
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
+    def adapters_changed(self, held_delta: int) -> None:
+        """The worker's adapters hold `held_delta` bytes more (a load) or fewer (an
+        unload): admission counts them with the rest the worker holds for good."""
+        if self.memory is not None:
+            self.memory.report.fixed += held_delta
+
     def _reject_reason(self, msg: GenerateReq) -> tuple[str, str] | None:
         n, max_new = len(msg.input_ids), msg.sampling.max_new_tokens
         if msg.rid in self.reqs:

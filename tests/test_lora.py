@@ -286,13 +286,31 @@ def test_adapters_load_and_unload_while_rows_decode(tiny_model, tiny_adapters):
     h.decode()
     for rid, lora, path in (("one", 1, tiny_adapters[0]), ("two", 2, tiny_adapters[1])):
         answer = h.runner.update_lora(LoraUpdate("u", lora, rid, path))
-        assert answer.error == ""
+        assert answer.error == "" and answer.held_delta > 0  # for --max-memory's admission
         _start(h, {rid: prompts[rid]}, {rid: lora})
         for _ in range(4):
             h.decode()
         h.release([ReleaseReq(rid, flush=True)])
-        assert h.runner.update_lora(LoraUpdate("u", lora, rid)).error == ""
+        unloaded = h.runner.update_lora(LoraUpdate("u", lora, rid))
+        assert unloaded.error == "" and unloaded.held_delta < 0
         assert h.out[rid] == adapter_greedy(tiny_model, path, prompts[rid], len(h.out[rid]))
     assert h.out["base"] == adapter_greedy(tiny_model, None, prompts["base"], len(h.out["base"]))
     refused = h.runner.update_lora(LoraUpdate("u", 3, "x", tiny_model))
     assert refused.error.startswith("LoRA adapter x: ") and "adapter_config.json" in refused.error
+
+
+def test_adapters_loaded_at_run_time_count_against_the_memory_budget():
+    """The worker's LoraUpdated says what its adapters hold more (or less) now; the
+    scheduler's admission (--max-memory) counts it with the weights and pools."""
+    from common.messages import MemoryReport, WorkerReady
+    from common.server_args import ServerArgs
+    from scheduler.scheduler import Scheduler
+
+    report = MemoryReport(budget=10_000, fixed=4_000, kv_token_bytes=1, score_bytes=1,
+                          act_token_bytes=1, row_bytes=1, prefill_step=16)  # fmt: skip
+    ready = WorkerReady(4096, "test", 2, 2, 8, "float32", 4096, 1000, [0], "none", memory=report)
+    s = Scheduler(ServerArgs(model_path="in-process"), ready)
+    s.adapters_changed(1_500)
+    assert s.memory.headroom == 4_500
+    s.adapters_changed(-1_500)
+    assert s.memory.headroom == 6_000

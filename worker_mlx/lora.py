@@ -42,6 +42,7 @@ class NoLora:
     worker's): the same calls, doing nothing."""
 
     count = 0
+    nbytes = 0
 
     @contextmanager
     def rows_of(self, adapters: Sequence[int]) -> Iterator[None]:
@@ -92,6 +93,11 @@ class LoraBank:
     @property
     def names(self) -> list[str]:
         return [name for name, _, _ in self.adapters.values()]
+
+    @property
+    def nbytes(self) -> int:
+        """What its stacks hold."""
+        return self.scales.nbytes + sum(a.nbytes + b.nbytes for a, b in self.stacks.values())
 
     def load(self, lora: int, spec: LoraSpec) -> None:
         """Serve the adapter at `spec.path` as id `lora` (ValueError: it cannot apply)."""

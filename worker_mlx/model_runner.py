@@ -316,6 +316,7 @@ class ModelRunner:
         """Load or unload a LoRA adapter between steps (the scheduler sends an unload once
         the adapter's requests are done). The compiled decode step holds the adapters'
         stacks as constants: it is traced afresh."""
+        before = self.lora.nbytes
         try:
             if msg.path:
                 self.lora.load(msg.lora, LoraSpec(msg.name, msg.path))
@@ -324,7 +325,7 @@ class ModelRunner:
         except (ValueError, KeyError, OSError) as exc:
             return LoraUpdated(msg.rid, msg.lora, f"LoRA adapter {msg.name}: {exc}", msg.step)
         self.decode_step.retrace()
-        return LoraUpdated(msg.rid, msg.lora, "", msg.step)
+        return LoraUpdated(msg.rid, msg.lora, "", msg.step, self.lora.nbytes - before)
 
     # ------------------------------------------------------------ release and flush
 
