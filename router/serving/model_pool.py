@@ -178,9 +178,10 @@ class ModelPool:
                                param="lora_name")  # fmt: skip
         lora = name.rpartition(":")[2]
         card = self.card(name)
-        entry.loras = [spec for spec in entry.loras if spec.name != lora]
-        model = self.loaded.get(entry.name)
-        if model is not None and model.loras is not None:
+        async with self.lock:  # a load under way of its model ends first (then unloads it)
+            entry.loras = [spec for spec in entry.loras if spec.name != lora]
+            model = self.loaded.get(entry.name)
+        if model is not None and model.loras is not None:  # its requests may take long
             await model.loras.unload(lora)
         return {**card, "loaded": False}
 
