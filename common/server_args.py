@@ -494,7 +494,7 @@ class ServerArgs:
             raise ValueError("--kv-disk-dir is not yet supported with --lora")
         if not self.several_models:  # with several, the registry matches each to its base
             for spec in self.loras:
-                if spec.base and spec.base not in self.served_model_names:
+                if spec.base and spec.base not in (*self.served_model_names, self.model_path):
                     raise ValueError(
                         f"{spec.flag}: no model {spec.base!r}; serving {self.model_name!r}"
                     )

@@ -314,3 +314,12 @@ def test_adapters_loaded_at_run_time_count_against_the_memory_budget():
     assert s.memory.headroom == 4_500
     s.adapters_changed(-1_500)
     assert s.memory.headroom == 6_000
+
+
+def test_one_models_adapter_base_must_be_that_model():
+    from common.server_args import ServerArgs
+
+    for base in ("m", "/models/m"):  # a served name, or the path as given
+        ServerArgs(model_path="/models/m", lora=[f"{base}:a=/p"]).validate()
+    with pytest.raises(ValueError, match="--lora other:a=/p: no model 'other'; serving 'm'"):
+        ServerArgs(model_path="/models/m", lora=["other:a=/p"]).validate()
