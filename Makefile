@@ -98,6 +98,9 @@ bench: setup
 	$(PY) -m benchmarks.serving --suite speculative
 	$(PY) -m benchmarks.serving --suite agent-sessions
 	$(PY) -m benchmarks.routing --preset tiny --dp-size 2
+	$(PY) -m benchmarks.one_batch --preset small --batch-size 8 --input-len 128 --output-len 64 --loras 4 --rounds 7
+	$(PY) -m benchmarks.model_switch --rounds 4
+	$(PY) -m benchmarks.model_load --rounds 4
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -9,7 +9,12 @@ nothing loaded): each adapted module must be a linear layer of the base with tho
 and output widths. So an adapter of another base (another width, another layer count) is
 refused with one line; one of a base with the same shapes is not told apart (a fine-tune
 of the same architecture is exactly what an adapter is for). The worker applies them
-(worker_mlx/lora.py); ids are the flags' order from 1 (0: the base model).
+(worker_mlx/lora.py); ids are the flags' order from 1 (0: the base model), and an adapter
+loaded at run time (/admin/loras/load) gets the next id never used in that pair's life.
+
+With several models an adapter belongs to one: `--lora BASE:NAME=PATH` names it, else
+it is the one served model the adapter applies to (`match_base`; none or several:
+refused, naming them).
 
 Imports no mlx: the router and the scheduler use it.
 """
@@ -29,20 +34,33 @@ ADAPTER_WEIGHTS = "adapters.safetensors"
 class LoraSpec:
     name: str
     path: str
+    base: str = ""  # the model it adapts, as `--lora BASE:NAME=PATH` named it ("": not named)
+
+    @property
+    def flag(self) -> str:
+        return f"--lora {self.base + ':' if self.base else ''}{self.name}={self.path}"
+
+
+def parse_lora(value: str, base_names: list[str]) -> LoraSpec:
+    """One `[BASE:]NAME=PATH`; ValueError names what is wrong with it."""
+    named, sep, path = value.partition("=")
+    base, _, name = named.rpartition(":")  # a base's own name may hold ':' (qwen3:8b)
+    if not sep or not name or not path:
+        raise ValueError(f"--lora {value}: expected NAME=PATH or BASE:NAME=PATH")
+    if name in base_names:
+        raise ValueError(f"--lora {value}: a name without ':' other than the model's")
+    return LoraSpec(name, path, base)
 
 
 def parse_lora_flags(values: list[str] | None, base_names: list[str]) -> list[LoraSpec]:
-    """The `--lora NAME=PATH` flags in order (adapter id i + 1); ValueError names a bad one."""
+    """The `--lora [BASE:]NAME=PATH` flags in order (adapter id i + 1); ValueError names a
+    bad one."""
     specs: list[LoraSpec] = []
     for value in values or []:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora {value}: expected NAME=PATH")
-        if ":" in name or name in base_names:
-            raise ValueError(f"--lora {value}: a name without ':' other than the model's")
-        if name in (s.name for s in specs):
-            raise ValueError(f"--lora {value}: the name {name!r} is given twice")
-        specs.append(LoraSpec(name, path))
+        spec = parse_lora(value, base_names)
+        if spec.name in (s.name for s in specs):
+            raise ValueError(f"--lora {value}: the name {spec.name!r} is given twice")
+        specs.append(spec)
     return specs
 
 
@@ -119,11 +137,25 @@ def adapter_problem(model_dir: str | Path, adapter_path: str | Path) -> str | No
     return None
 
 
+def match_base(spec: LoraSpec, models: dict[str, str]) -> str:
+    """The one of `models` (name -> model directory) the adapter applies to; ValueError
+    (one line) when none does or several do (then `--lora BASE:NAME=PATH` decides)."""
+    problems = {name: adapter_problem(path, spec.path) for name, path in models.items()}
+    fits = [name for name, problem in problems.items() if problem is None]
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        raise ValueError(
+            f"{spec.flag}: the adapter applies to the models {fits}: name its base as "
+            f"BASE:{spec.name}=PATH"
+        )
+    why = "; ".join(f"{name}: {problem}" for name, problem in problems.items())
+    raise ValueError(f"{spec.flag}: the adapter applies to none of the models ({why})")
+
+
 def check_loras(model_dir: str, specs: list[LoraSpec]) -> None:
     """ValueError (one line, naming the flag) for the first adapter that cannot apply."""
     for spec in specs:
         problem = adapter_problem(model_dir, spec.path)
         if problem:
-            raise ValueError(
-                f"--lora {spec.name}={spec.path}: cannot serve this adapter: {problem}"
-            )
+            raise ValueError(f"{spec.flag}: cannot serve this adapter: {problem}")

@@ -2,10 +2,10 @@
 
 Three links (see docs/architecture.md):
   client SDK <-> router      Client* messages on the router's ZMQ front door
-  router <-> scheduler       GenerateReq / AbortReq / EmbedReq down, TokenOutBatch /
-                             ReqError / EmbedOut up
-  scheduler <-> worker       ExtendBatch / DecodeBatch / ReleaseBatch / EmbedBatch down,
-                             StepResult / EmbedResult up
+  router <-> scheduler       GenerateReq / AbortReq / EmbedReq / LoraUpdate down,
+                             TokenOutBatch / ReqError / EmbedOut / LoraUpdated up
+  scheduler <-> worker       ExtendBatch / DecodeBatch / ReleaseBatch / EmbedBatch /
+                             LoraUpdate down, StepResult / EmbedResult / LoraUpdated up
   router <-> remote replica  the router <-> scheduler messages, ReplicaPing / ReplicaStatus
 Each receiver decodes with its own registry below, so a message sent to the wrong socket
 is rejected as unknown rather than misread. The SDK link's messages (and SamplingParams)
@@ -80,6 +80,41 @@ class EmbedReq:
 
     rid: str
     inputs: list[list[int]]
+
+
+@dataclass
+class LoraUpdate:
+    """router -> scheduler -> worker: load the LoRA adapter at `path` as id `lora`, or
+    (`path` "") unload adapter `lora` (/admin/loras/*). The router never gives an id twice
+    in a pair's life, so a prefix cached under an unloaded adapter's namespace serves no
+    later one. The scheduler refuses requests of an unloading adapter at once, passes an
+    unload on once that adapter's requests are done, and numbers it as a step (`step`)."""
+
+    rid: str  # the router's id of this update, answered by LoraUpdated
+    lora: int
+    name: str
+    path: str = ""
+    step: int = -1
+
+    def problem(self) -> str | None:
+        """What makes it unusable, or None."""
+        if self.lora < 1:
+            return f"LoRA adapter id {self.lora}: ids start at 1 (0 is the base model)"
+        if not self.name or ":" in self.name:
+            return f"LoRA adapter name {self.name!r}: not empty, without ':'"
+        return None
+
+
+@dataclass
+class LoraUpdated:
+    """worker -> scheduler -> router: the LoraUpdate `rid` is done ("" error) or refused."""
+
+    rid: str
+    lora: int
+    error: str = ""
+    step: int = -1
+    # bytes the worker's adapters hold now less before (its --max-memory admission counts it)
+    held_delta: int = 0
 
 
 @dataclass
@@ -487,8 +522,10 @@ class ReplicaFrameError:
     message: str
 
 
-SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq, EmbedReq)
-SCHEDULER_FROM_WORKER = _registry(WorkerReady, StepResult, WorkerError, EmbedResult, BlocksLoaded)
+SCHEDULER_FROM_ROUTER = _registry(GenerateReq, AbortReq, EmbedReq, LoraUpdate)
+SCHEDULER_FROM_WORKER = _registry(
+    WorkerReady, StepResult, WorkerError, EmbedResult, BlocksLoaded, LoraUpdated
+)
 ROUTER_INBOX = _registry(
     TokenOutBatch,
     ReqError,
@@ -498,7 +535,8 @@ ROUTER_INBOX = _registry(
     WorkerHung,
     EmbedOut,
     DiskReport,
+    LoraUpdated,
 )
-WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch, LoadBatch)
+WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch, LoadBatch, LoraUpdate)
 REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing, EmbedReq)
 REPLICA_CONTROL_INBOX = _registry(ReplicaStatus, ReplicaFrameError)

@@ -278,8 +278,9 @@ class ServerArgs:
         None,
         "serve the LoRA adapter at PATH (what mlx_lm.lora writes) as model NAME, or "
         "BASE:NAME; requests of different adapters and of the base share batches "
-        "(repeatable)",
-        metavar="NAME=PATH",
+        "(repeatable). With several models, BASE:NAME=PATH gives it to model BASE, NAME=PATH "
+        "to the one model it fits",
+        metavar="[BASE:]NAME=PATH",
         action="extend",
     )
     max_loras_per_batch: int = flag(
@@ -487,10 +488,12 @@ class ServerArgs:
                 "run one local scheduler+worker pair each: not with --replica, --dp-size, "
                 "--tp-size or --pp-size"
             )
-        if self.several_models and self.lora:
-            raise ValueError(
-                "--lora adapts the one model of --model-path: not yet with several models"
-            )
+        if not self.several_models:  # with several, the registry matches each to its base
+            for spec in self.loras:
+                if spec.base and spec.base not in (*self.served_model_names, self.model_path):
+                    raise ValueError(
+                        f"{spec.flag}: no model {spec.base!r}; serving {self.model_name!r}"
+                    )
 
     @property
     def several_models(self) -> bool:

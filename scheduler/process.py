@@ -32,6 +32,8 @@ from common.messages import (
     ExtendBatch,
     GenerateReq,
     LoadBatch,
+    LoraUpdate,
+    LoraUpdated,
     ReleaseBatch,
     ReqError,
     SchedulerReady,
@@ -86,6 +88,10 @@ class SchedulerProcess:
         logger.info("ready: KV pool %d tokens, context %d", ready.num_slots, sched.context_len)
         while True:
             self._poll(timeout_ms=0 if sched.busy else int(STATS_INTERVAL * 1000))
+            update = sched.lora_updates.take(sched.reqs.values())
+            if update is not None:
+                self._update_lora(update)
+                continue
             batch = sched.next_batch()
             if batch is not None:
                 self._trace_batch(batch)  # before the send: the worker may log first
@@ -95,6 +101,16 @@ class SchedulerProcess:
                 sched.on_result(self._wait_result(batch))
                 self._send_outputs()  # before the next batch is built
 
+    def _update_lora(self, update: LoraUpdate) -> None:
+        """Run a LoRA adapter's load or unload on the worker between two steps (numbered
+        as one) and answer the router."""
+        self.sched.step += 1
+        update.step = self.sched.step
+        self.to_worker.send(encode(update))
+        answer = self.sched.lora_updates.done(update, self._wait_result(update))
+        self.sched.adapters_changed(answer.held_delta)
+        self.to_router.send(encode(answer))
+
     def _wait_worker_ready(self) -> WorkerReady:
         while True:
             msg = self._poll(timeout_ms=1000, want_worker=True)
@@ -103,7 +119,7 @@ class SchedulerProcess:
             if msg is not None:
                 logger.warning("ignoring %s before the worker is ready", type(msg).__name__)
 
-    def _wait_result(self, batch: ExtendBatch | DecodeBatch | EmbedBatch):
+    def _wait_result(self, batch: ExtendBatch | DecodeBatch | EmbedBatch | LoraUpdate):
         """The step's StepResult or WorkerError; a bad frame or a WorkerError naming no
         step (the worker could not read what we sent) ends the wait as a failed step."""
         sent, reported = time.monotonic(), False
@@ -197,12 +213,13 @@ class SchedulerProcess:
         if evicted:
             self.to_router.send(encode(CacheEvicted(evicted)))
         outputs = sched.take_outputs()
-        tokens = [o for o in outputs if not isinstance(o, (ReqError, EmbedOut))]
+        answers = (ReqError, EmbedOut, LoraUpdated)  # one message each
+        tokens = [o for o in outputs if not isinstance(o, answers)]
         if tokens:
             self.trace("out", *(t.rid for t in tokens))
             self.to_router.send(encode(TokenOutBatch(tokens)))
-        for other in outputs:  # errors, and embeddings (one message per request)
-            if isinstance(other, (ReqError, EmbedOut)):
+        for other in outputs:  # errors, embeddings and refused LoRA updates
+            if isinstance(other, answers):
                 self.to_router.send(encode(other))
 
     def _send_stats(self, stats) -> None:

@@ -24,6 +24,7 @@ from common.messages import (
     ExtendBatch,
     GenerateReq,
     LoadBatch,
+    LoraUpdate,
     ReleaseBatch,
     ReleaseReq,
     ReqError,
@@ -37,6 +38,7 @@ from common.server_args import ServerArgs
 from scheduler.cache import KVCacheManager
 from scheduler.disk_tier import DiskIndex, PlannedLoad
 from scheduler.embedding import EmbedQueue
+from scheduler.lora_updates import LoraUpdates
 from scheduler.memory_budget import RETRY_AFTER, MemoryBudget, wait_error, waited_too_long
 from scheduler.prefill import PrefillBatch, build_prefill
 from scheduler.request import Req
@@ -81,7 +83,7 @@ class Scheduler:
         self.decode_rows = 0
         self._decode_log = (time.monotonic(), 0, 0)
         self.spec = Speculator(args, worker, self.kv, self.context_len, self.eos_ids)
-        self.num_loras = len(args.loras)  # LoRA adapter ids are 1..num_loras (0: none)
+        self.lora_updates = LoraUpdates(len(args.loras))  # the adapter ids it serves
         # --max-memory: what each step may hold (None: a worker that reports no figures)
         self.memory = MemoryBudget(worker.memory) if worker.memory is not None else None
         # embeddings: rows of no KV, in steps of their own between the others
@@ -98,7 +100,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ inputs
 
-    def on_request(self, msg: GenerateReq | AbortReq | EmbedReq) -> None:
+    def on_request(self, msg: GenerateReq | AbortReq | EmbedReq | LoraUpdate) -> None:
         if isinstance(msg, AbortReq):
             self.abort(msg.rid)
             return
@@ -107,9 +109,15 @@ class Scheduler:
             if error is not None:
                 self.outputs.append(error)
             return
+        if isinstance(msg, LoraUpdate):  # run by the process between steps (lora_updates)
+            refused = self.lora_updates.add(msg)
+            if refused is not None:
+                self.outputs.append(refused)
+            return
         error = self._reject_reason(msg)
         if error is not None:
-            self.outputs.append(ReqError(msg.rid, error[1], code=error[0]))
+            status = 404 if error[0] == "model_not_found" else 400  # an adapter it lacks
+            self.outputs.append(ReqError(msg.rid, error[1], code=error[0], status=status))
             return
         req = Req(msg.rid, list(msg.input_ids), msg.sampling)
         req.lora = msg.lora
@@ -121,13 +129,19 @@ class Scheduler:
         self.reqs[req.rid] = req
         self.waiting.append(req)
 
+    def adapters_changed(self, held_delta: int) -> None:
+        """The worker's adapters hold `held_delta` bytes more (a load) or fewer (an
+        unload): admission counts them with the rest the worker holds for good."""
+        if self.memory is not None:
+            self.memory.report.fixed += held_delta
+
     def _reject_reason(self, msg: GenerateReq) -> tuple[str, str] | None:
         n, max_new = len(msg.input_ids), msg.sampling.max_new_tokens
         if msg.rid in self.reqs:
             return "duplicate_request_id", f"request id {msg.rid!r} is already in use"
         if n == 0:
             return "invalid_request_error", "the prompt has no tokens"
-        if not 0 <= msg.lora <= self.num_loras:
+        if not self.lora_updates.serves(msg.lora):
             return "model_not_found", f"no LoRA adapter of id {msg.lora} is loaded"
         if not self.generates:
             return "invalid_request_error", (
@@ -546,5 +560,5 @@ class Scheduler:
         saves = self.disk is not None and bool(self.disk.saves or self.disk.touches)
         return bool(
             waiting or self.running or self.chunked or self.pending_release or saves
-            or self.embeds.waiting
+            or self.embeds.waiting or self.lora_updates.queue
         )  # fmt: skip

@@ -103,13 +103,15 @@ def test_an_adapter_of_another_base_is_refused_with_what_differs(
         (["=/x"], "expected NAME=PATH"),
         (["a=/x", "a=/y"], "given twice"),
         (["m=/x"], "other than the model's"),
-        (["b:c=/x"], "without ':'"),
+        (["b:c=/x", "c=/y"], "given twice"),
     ],
 )
 def test_bad_lora_flags_name_the_flag(flags, error):
     with pytest.raises(ValueError, match=error):
         parse_lora_flags(flags, ["m"])
     assert [s.name for s in parse_lora_flags(["a=/x", "b=/y"], ["m"])] == ["a", "b"]
+    # BASE:NAME=PATH names the model it adapts (a base's name may hold ':')
+    assert parse_lora_flags(["q:8b:c=/x"], ["m"]) == [LoraSpec("c", "/x", "q:8b")]
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -143,7 +145,37 @@ def test_an_unknown_adapter_id_is_refused():
     s = make_scheduler(lora=["a=/x"])
     s.on_request(GenerateReq("r", PROMPT, SamplingParams(max_new_tokens=2), lora=2))
     (err,) = s.take_outputs()
-    assert err.code == "model_not_found" and "id 2" in err.message
+    assert err.code == "model_not_found" and err.status == 404 and "id 2" in err.message
+
+
+def test_an_unload_waits_for_the_adapters_requests_and_refuses_new_ones():
+    """scheduler/lora_updates.py: an unload is held while a request of its adapter runs
+    (the process takes updates between steps), a new request of it is refused at once,
+    and a load of an id in use is refused; a load serves once the worker answered."""
+    from common.messages import LoraUpdate, LoraUpdated
+
+    s = make_scheduler(lora=["a=/x"])
+    updates = s.lora_updates
+    sampling = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    s.on_request(GenerateReq("r", PROMPT, sampling, lora=1))
+    run_step(s)
+    s.on_request(LoraUpdate("u1", 1, "a"))
+    s.on_request(GenerateReq("late", PROMPT, sampling, lora=1))
+    (refused,) = [o for o in s.take_outputs() if o.rid == "late"]
+    assert "id 1" in refused.message
+    assert updates.take(s.reqs.values()) is None  # "r" still runs
+    while "r" in s.reqs:
+        run_step(s)
+    unload = updates.take(s.reqs.values())
+    assert unload.rid == "u1" and updates.done(unload, LoraUpdated("u1", 1)).error == ""
+    s.on_request(LoraUpdate("u2", 2, "b", "/y"))
+    s.on_request(LoraUpdate("u3", 2, "c", "/z"))
+    (taken,) = [o for o in s.take_outputs() if isinstance(o, LoraUpdated)]
+    assert taken.rid == "u3" and "in use" in taken.error
+    load = updates.take(s.reqs.values())
+    assert not updates.serves(2)
+    updates.done(load, LoraUpdated("u2", 2))
+    assert updates.serves(2) and not updates.serves(1)
 
 
 def test_a_batch_holds_at_most_max_loras_per_batch_adapters():
@@ -232,3 +264,62 @@ def test_adapter_names_go_before_alias_globs():
     assert names.reported_for("m:b") == "b" and names.reported_for("claude-x") == "m"
     strict = ModelNames(["m"], [], "/models/m", ["a"])
     assert strict.adapter("x:a") is None and strict.adapter("c") is None
+
+
+def test_adapters_load_and_unload_while_rows_decode(tiny_model, tiny_adapters):
+    """A runner that started with no adapter (the runtime bank) loads one between steps
+    while a base row decodes, serves a row of it beside that row, unloads it, and serves a
+    row of another adapter loaded in the same stack row: every row token-exact. The
+    compiled step is traced afresh at each change (it holds the stacks as constants: a
+    stale trace would run the first adapter's factors for the second)."""
+    from mlx_lm import load
+
+    from common.messages import LoraUpdate
+    from worker_mlx.lora import make_bank
+
+    model, _ = load(tiny_model)
+    h = Harness(tiny_model, model=model, lora=make_bank(model, [], runtime=True),
+                compile_decode=True, prefill_step=16)  # fmt: skip
+    rng = random.Random(11)
+    prompts = {rid: random_prompt(rng, 12, h.vocab) for rid in ("base", "one", "two")}
+    _start(h, {"base": prompts["base"]}, {"base": 0})
+    h.decode()
+    for rid, lora, path in (("one", 1, tiny_adapters[0]), ("two", 2, tiny_adapters[1])):
+        answer = h.runner.update_lora(LoraUpdate("u", lora, rid, path))
+        assert answer.error == "" and answer.held_delta > 0  # for --max-memory's admission
+        _start(h, {rid: prompts[rid]}, {rid: lora})
+        for _ in range(4):
+            h.decode()
+        h.release([ReleaseReq(rid, flush=True)])
+        unloaded = h.runner.update_lora(LoraUpdate("u", lora, rid))
+        assert unloaded.error == "" and unloaded.held_delta < 0
+        assert h.out[rid] == adapter_greedy(tiny_model, path, prompts[rid], len(h.out[rid]))
+    assert h.out["base"] == adapter_greedy(tiny_model, None, prompts["base"], len(h.out["base"]))
+    refused = h.runner.update_lora(LoraUpdate("u", 3, "x", tiny_model))
+    assert refused.error.startswith("LoRA adapter x: ") and "adapter_config.json" in refused.error
+
+
+def test_adapters_loaded_at_run_time_count_against_the_memory_budget():
+    """The worker's LoraUpdated says what its adapters hold more (or less) now; the
+    scheduler's admission (--max-memory) counts it with the weights and pools."""
+    from common.messages import MemoryReport, WorkerReady
+    from common.server_args import ServerArgs
+    from scheduler.scheduler import Scheduler
+
+    report = MemoryReport(budget=10_000, fixed=4_000, kv_token_bytes=1, score_bytes=1,
+                          act_token_bytes=1, row_bytes=1, prefill_step=16)  # fmt: skip
+    ready = WorkerReady(4096, "test", 2, 2, 8, "float32", 4096, 1000, [0], "none", memory=report)
+    s = Scheduler(ServerArgs(model_path="in-process"), ready)
+    s.adapters_changed(1_500)
+    assert s.memory.headroom == 4_500
+    s.adapters_changed(-1_500)
+    assert s.memory.headroom == 6_000
+
+
+def test_one_models_adapter_base_must_be_that_model():
+    from common.server_args import ServerArgs
+
+    for base in ("m", "/models/m"):  # a served name, or the path as given
+        ServerArgs(model_path="/models/m", lora=[f"{base}:a=/p"]).validate()
+    with pytest.raises(ValueError, match="--lora other:a=/p: no model 'other'; serving 'm'"):
+        ServerArgs(model_path="/models/m", lora=["other:a=/p"]).validate()

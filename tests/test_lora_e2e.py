@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from common.ipc import free_ports
-from tests.server import RADIX_MLX, ServerProcess
+from tests.server import RADIX_MLX, ServerProcess, log_lines
 from tests.test_lora import adapter_greedy
 
 pytestmark = pytest.mark.slow
@@ -120,3 +120,62 @@ def test_an_adapter_of_another_base_is_refused_at_start_up(tiny_adapters, model_
     lines = [line for line in out.stderr.splitlines() if "cannot serve this adapter" in line]
     assert len(lines) == 1, out.stderr
     assert "--lora x=" in lines[0] and "an adapter of another base" in lines[0]
+
+
+def test_an_adapter_loads_at_run_time_beside_the_flags_ones(
+    lora_server, tiny_model, tiny_adapters, model_cache
+):
+    """One model: /admin/loras/load serves a third adapter (mlx-lm's own tokens), which
+    runs in the same batches as the others; unloaded, its name is a 404 again."""
+    from pathlib import Path
+
+    from common.tiny_adapter import build_tiny_adapter
+
+    path = str(build_tiny_adapter(tiny_model, Path(model_cache) / "lora-tiny-s5", seed=5))
+    url = lora_server.url + "/admin/loras/"
+    r = httpx.post(url + "load", json={"lora_name": "a5", "lora_path": path}, timeout=60)
+    assert r.status_code == 200 and r.json()["parent"] == os.path.basename(tiny_model), r.text
+    a1 = tiny_adapters[0]
+    jobs = [("a5", path, _prompt(40)), ("a1", a1, _prompt(41)), ("a5", path, _prompt(42))]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: _complete(lora_server, j[0], j[2], 6), jobs))
+    for (model, adapter, prompt), res in zip(jobs, results):
+        want = adapter_greedy(tiny_model, adapter, prompt, 6)
+        assert res["choices"][0]["token_ids"] == want, model
+    r = httpx.post(url + "unload", json={"lora_name": "a5"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"model": "a5", "prompt": [5, 6], "max_tokens": 2}
+    assert httpx.post(lora_server.url + "/v1/completions", json=body).status_code == 404
+    r = httpx.post(url + "unload", json={"lora_name": "a5"}, timeout=60)
+    assert r.status_code == 404 and "a5" in r.text
+
+
+def test_a_run_time_adapter_is_loaded_again_after_the_worker_restarts(
+    lora_server, tiny_model, model_cache
+):
+    """The restarted pair starts with its --lora adapters only; the router sends it the
+    run-time one again under its id: its requests are mlx-lm's tokens once more. (Last in
+    the module: it kills the shared server's worker.)"""
+    import signal
+    import time
+    from pathlib import Path
+
+    from common.tiny_adapter import build_tiny_adapter
+
+    path = str(build_tiny_adapter(tiny_model, Path(model_cache) / "lora-tiny-s6", seed=6))
+    body = {"lora_name": "a6", "lora_path": path}
+    assert httpx.post(lora_server.url + "/admin/loras/load", json=body, timeout=60).is_success
+    os.kill(lora_server.child("worker"), signal.SIGKILL)
+    prompt, want = _prompt(60), adapter_greedy(tiny_model, path, _prompt(60), 6)
+    deadline, status = time.monotonic() + 120, None
+    while time.monotonic() < deadline:
+        req = {"model": "a6", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+               "ignore_eos": True}  # fmt: skip
+        r = httpx.post(lora_server.url + "/v1/completions", json=req, timeout=60)
+        status = r.status_code
+        if status == 200:
+            assert r.json()["choices"][0]["token_ids"] == want
+            break
+        time.sleep(0.2)  # restarting (503), or the adapter not sent again yet (404)
+    assert status == 200
+    assert log_lines(lora_server, "LoRA adapter a6 loaded again")

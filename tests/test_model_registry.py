@@ -98,3 +98,41 @@ def test_two_models_of_one_name_are_refused(model_dir, tiny_llama, tmp_path):
 def test_flag_values_that_cannot_work(argv, message):
     with pytest.raises(ValueError, match=message):
         _serve_args(*argv).validate()
+
+
+def test_each_adapter_goes_to_its_one_base(tiny_model, tiny_adapters, model_cache):
+    """`--lora NAME=PATH` goes to the one served model it applies to; `BASE:NAME` names
+    it; a request naming `NAME` or `BASE:NAME` gets that model; ambiguity and a base it
+    does not fit are refused with one line."""
+    from common.tiny_model import ensure_tiny_model
+
+    small = str(ensure_tiny_model(model_cache, preset="small"))
+    qwen, other = Path(tiny_model).name, Path(small).name
+    a1, a2 = tiny_adapters
+    argv = ["--model-path", small, "--model-path", tiny_model, "--lora", f"a1={a1}",
+            "--lora", f"{qwen}:a2={a2}"]  # fmt: skip
+    registry = ModelRegistry.from_args(_serve_args(*argv))
+    globbed = ModelRegistry.from_args(_serve_args(*argv, "--model-alias", f"*={other}"))
+    assert globbed.find("anything").name == other  # a glob of every name: adapters go first
+    assert globbed.find("a2").name == globbed.find(f"{qwen}:a1").name == qwen
+    assert [s.name for s in registry.entries[qwen].loras] == ["a1", "a2"]
+    assert not registry.entries[other].loras
+    for name in ("a1", "a2", f"{qwen}:a1"):
+        assert registry.find(name).name == qwen
+    assert registry.entries[qwen].names().adapter("a2") == 2
+    with pytest.raises(RequestError, match=f"{other}:a1"):
+        registry.find(f"{other}:a1")
+    refusals = [
+        ([f"{other}:a1={a1}"], "cannot serve this adapter: it adapts"),
+        ([f"nobody:a1={a1}"], "no model 'nobody'"),
+        ([f"{qwen}={a1}"], "already a model's name"),
+    ]
+    for flags, message in refusals:
+        argv = ["--model-path", small, "--model-path", tiny_model, "--lora", *flags]
+        with pytest.raises(ValueError, match=message):
+            ModelRegistry.from_args(_serve_args(*argv))
+    twice = _serve_args("--model-path", tiny_model, "--model-path", str(Path(model_cache) /
+                        "copy"), "--lora", f"a1={a1}")  # fmt: skip
+    shutil.copytree(tiny_model, Path(model_cache) / "copy", dirs_exist_ok=True)
+    with pytest.raises(ValueError, match=r"applies to the models .*: name its base as BASE:a1"):
+        ModelRegistry.from_args(twice)

@@ -232,3 +232,29 @@ def test_idle_models_unload_and_pinned_ones_stay(tiny_model, tiny_llama, tmp_pat
         r = _admin(server, "load", {"model": pinned}, headers={})
         assert r.status_code == 200 and r.json()["loaded"] is True, r.text
         assert _complete(server, pinned, _prompt(31)).status_code == 200
+
+
+def test_an_adapter_loaded_while_its_model_is_not_loads_with_it(
+    two_models, tiny_model, tiny_adapters
+):
+    """/admin/loras/load for a model that is not loaded (one at a time here) checks the
+    adapter against its files and keeps it: the model's next load serves it, token-exact
+    against mlx-lm with the adapter."""
+    from tests.test_lora import adapter_greedy
+
+    server, models = two_models
+    qwen = os.path.basename(tiny_model)
+    other = next(name for name in models if name != qwen)
+    assert _complete(server, other, [5, 6, 7]).status_code == 200  # qwen is not loaded now
+    body = {"lora_name": f"{qwen}:late", "lora_path": tiny_adapters[1]}
+    r = httpx.post(server.url + "/admin/loras/load", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["loaded"] is False, r.text
+    prompt = _prompt(31)
+    r = _complete(server, "late", prompt, 6)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == adapter_greedy(
+        tiny_model, tiny_adapters[1], prompt, 6
+    )
+    r = httpx.post(server.url + "/admin/loras/unload", json={"lora_name": "late"},
+                   headers=AUTH, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and "late" not in _loaded(server)

@@ -37,6 +37,8 @@ from common.messages import (
     ExtendReq,
     GenerateReq,
     LoadBatch,
+    LoraUpdate,
+    LoraUpdated,
     ModelIdentity,
     ReleaseBatch,
     ReleaseReq,
@@ -226,6 +228,8 @@ EXAMPLES: dict[type, list] = {
     DiskReport: [DISK, DiskReport(bytes=0, blocks=0)],
     EmbedReq: [EmbedReq(rid="e", inputs=[[1, 2, 3], [4]])],
     EmbedOut: [EmbedOut(rid="e", embeddings=[b"\x00\x00\x80?", b""], prompt_tokens=4)],
+    LoraUpdate: [LoraUpdate("u", 3, "a3", "/adapters/a3", step=7), LoraUpdate("u", 3, "a3")],
+    LoraUpdated: [LoraUpdated("u", 3), LoraUpdated("u", 3, "no such adapter", step=7)],
     EmbedBatch: [EmbedBatch(step=10, rows=[EmbedRow("e", 0, [1, 2, 3]), EmbedRow("e", 1, [4])])],
     EmbedResult: [EmbedResult(step=10, embeddings=[b"\x00\x00\x80?"])],
     StepResult: [
@@ -809,3 +813,9 @@ def test_generate_req_round_trip_property(msg):
 @given(extend_batches)
 def test_extend_batch_round_trip_property(msg):
     assert decode(encode(msg), WORKER_INBOX) == msg
+
+
+def test_a_lora_update_names_what_makes_it_unusable():
+    assert LoraUpdate("u", 1, "a1", "/p").problem() is None
+    assert "ids start at 1" in LoraUpdate("u", 0, "a1").problem()
+    assert "without ':'" in LoraUpdate("u", 2, "b:a").problem()

@@ -45,6 +45,8 @@ def readme_table(text: str) -> dict[str, str]:
         raise ValueError(f"the table must start with {HEADER!r}")
     rows: dict[str, str] = {}
     for line in lines[2:]:  # after the header and the |---| line
+        if re.fullmatch(r"\| \*\*[a-z ]+\*\* \| \| .* \|", line):
+            continue  # a section's row (`| **models** | | ... |`): the flags below are its
         m = re.fullmatch(r"\| `(--[a-z0-9-]+)` \| (.*?) \| .* \|", line)
         if m is None:
             raise ValueError(f"not a row of one flag: {line!r}")

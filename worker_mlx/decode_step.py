@@ -92,6 +92,12 @@ class DecodeStep:
 
         return step
 
+    def retrace(self) -> None:
+        """After the model's adapters changed (LoraBank.load / unload): a compiled step
+        traced before holds their old stacks as constants."""
+        if self.compiles:
+            self._step = self._compile()
+
     def _compile(self):
         self.shapes.clear()
         self.compiled += 1

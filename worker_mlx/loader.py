@@ -53,7 +53,7 @@ def load_runner(
     on_cpu = backend.name == "cpu"  # the process's own memory is the budget's there
     model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path, rank)
     layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
-    lora = _adapters(args, model)
+    lora = _adapters(args, model, runtime=rank is None and args.speculative_algorithm == "none")
     backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
     backend.wire(mx.get_active_memory())
     vocab_size = _vocab_size(model, config)
@@ -110,11 +110,12 @@ def _check_vision(args: ServerArgs, model, batched: bool) -> VisionPasses | None
     return VisionPasses(model)
 
 
-def _adapters(args: ServerArgs, model) -> LoraBank | NoLora:
+def _adapters(args: ServerArgs, model, runtime: bool) -> LoraBank | NoLora:
     """The --lora adapters, the model's adapted layers wrapped (the router checked them
-    against the model's files; this is the check against its modules)."""
+    against the model's files; this is the check against its modules); with `runtime`, a
+    bank that may load adapters while the worker serves (/admin/loras/load)."""
     try:
-        lora = make_bank(model, args.loras)
+        lora = make_bank(model, args.loras, runtime)
     except (ValueError, KeyError, OSError) as exc:
         _refuse(args.model_path, f"--lora: {exc}")
     for spec in args.loras:

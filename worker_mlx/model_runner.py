@@ -12,7 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from common.messages import DecodeBatch, ExtendBatch, ExtendReq, ReleaseReq
+from common.lora_adapters import LoraSpec
+from common.messages import DecodeBatch, ExtendBatch, ExtendReq, LoraUpdate, LoraUpdated, ReleaseReq
 from worker_mlx.decode_step import DecodeStep
 from worker_mlx.decoding import Decoding, StepOutput, sample_and_record
 from worker_mlx.descriptor_checks import check_extend, check_slots
@@ -310,6 +311,21 @@ class ModelRunner:
             return tokens
 
         self.lookahead.step_ahead(buffer, rids, compute)
+
+    def update_lora(self, msg: LoraUpdate) -> LoraUpdated:
+        """Load or unload a LoRA adapter between steps (the scheduler sends an unload once
+        the adapter's requests are done). The compiled decode step holds the adapters'
+        stacks as constants: it is traced afresh."""
+        before = self.lora.nbytes
+        try:
+            if msg.path:
+                self.lora.load(msg.lora, LoraSpec(msg.name, msg.path))
+            else:
+                self.lora.unload(msg.lora)
+        except (ValueError, KeyError, OSError) as exc:
+            return LoraUpdated(msg.rid, msg.lora, f"LoRA adapter {msg.name}: {exc}", msg.step)
+        self.decode_step.retrace()
+        return LoraUpdated(msg.rid, msg.lora, "", msg.step, self.lora.nbytes - before)
 
     # ------------------------------------------------------------ release and flush
 

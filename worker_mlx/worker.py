@@ -23,6 +23,8 @@ from common.messages import (
     EmbedResult,
     ExtendBatch,
     LoadBatch,
+    LoraUpdate,
+    LoraUpdated,
     ReleaseBatch,
     StepResult,
     WorkerError,
@@ -152,7 +154,7 @@ def serve(
 
 def execute(
     engine, msg, group: bool = False, guard=None, embedder=None, disk=None
-) -> StepResult | EmbedResult | BlocksLoaded | WorkerError | None:
+) -> StepResult | EmbedResult | BlocksLoaded | LoraUpdated | WorkerError | None:
     """The step's result, or the error it is answered with. In a group, only a descriptor
     the checks refuse (ValueError, raised alike on every rank before any collective) is
     answered: any other failure (a peer lost mid-collective) may have left the ranks'
@@ -171,6 +173,8 @@ def execute(
                 return BlocksLoaded(msg.step, 0)
             disk.submit(msg.step, msg.loads)  # answered once read (serve's loop)
             return None
+        if isinstance(msg, LoraUpdate):  # between steps: no row of an unloaded adapter runs
+            return engine.runner.update_lora(msg)
         if isinstance(msg, EmbedBatch):  # no KV: the engine and its pool are not involved
             if embedder is None:
                 raise ValueError("embeddings are not served by a distributed worker")

@@ -41,6 +41,11 @@ class EmbeddingRoutes:
 
     async def create(self, req: EmbeddingRequest):
         api = await self.models.context(req.model)
+        if api.names.adapter(req.model):  # the embed pass runs no adapter: not silently
+            raise RequestError(
+                f"model {req.model!r} is a LoRA adapter, which does not embed: name its base "
+                f"{api.model_name!r}", param="model",
+            )  # fmt: skip
         width = self._width(api)
         if req.dimensions is not None and not 1 <= req.dimensions <= width:
             raise RequestError(

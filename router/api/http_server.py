@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from common.messages import Output
 from router.api.access_log import AccessLog
-from router.api.admin import AdminRoutes
+from router.api.admin import AdminRoutes, LoraRoutes
 from router.api.anthropic_api import anthropic_error_body
 from router.api.anthropic_messages import AnthropicRoutes
 from router.api.api_context import ApiContext
@@ -98,6 +98,9 @@ def create_app(models: SingleModel, args, metrics=None) -> FastAPI:
         admin = AdminRoutes(models)
         app.post("/admin/models/load")(admin.load)
         app.post("/admin/models/unload")(admin.unload)
+    loras = LoraRoutes(models)
+    app.post("/admin/loras/load")(loras.load)
+    app.post("/admin/loras/unload")(loras.unload)
     return app
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 from router.api.api_context import ApiContext
+from router.api.lora_control import LoraControl
 
 
 def model_card(model_id: str, max_model_len: int, **extra) -> dict:
@@ -23,6 +24,7 @@ class SingleModel:
     def __init__(self, api: ApiContext):
         self.api = api
         self.metrics = api.metrics
+        self.loras = LoraControl(api.manager, api.names, api.args)  # /admin/loras/*
 
     async def context(self, name: str | None) -> ApiContext:
         """The context a request naming `name` runs over: a replica serves (else 503),
@@ -33,7 +35,7 @@ class SingleModel:
 
     def cards(self) -> list[dict]:
         names = self.api.names
-        return [self.card(name) for name in names.served + names.loras]
+        return [self.card(name) for name in [*names.served, *names.loras]]
 
     def card(self, model_id: str) -> dict:
         """A served name's card; an alias's is the same model's under the asked-for id; a
@@ -42,6 +44,20 @@ class SingleModel:
         names.check(model_id)
         extra = {"parent": names.reported} if names.adapter(model_id) else {}
         return model_card(model_id, self.api.manager.max_model_len, **extra)
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Serve the adapter at `path` as `name` (`NAME` or `BASE:NAME`); its card."""
+        base, _, lora = name.rpartition(":")
+        if base:
+            self.api.names.check(base)
+        await self.loras.load(lora, path)
+        return self.card(lora)
+
+    async def unload_lora(self, name: str) -> dict:
+        lora = self.api.names.adapter_name(name) or name
+        await self.loras.unload(lora)
+        return model_card(lora, self.api.manager.max_model_len, parent=self.api.names.reported,
+                          loaded=False)  # fmt: skip
 
     def health(self) -> JSONResponse:
         """200 while a replica serves; the body says why not, and lists every replica."""

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -35,6 +35,8 @@ from common.messages import (
     EmbedOut,
     EmbedReq,
     GenerateReq,
+    LoraUpdate,
+    LoraUpdated,
     ReqError,
     SamplingParams,
     SchedulerReady,
@@ -95,6 +97,8 @@ class RouterManager:
         self.down_reason = ""  # the last replica failure, while none serves
         self._settled = asyncio.Event()  # set while a replica is ready, draining or stopped
         self._receivers: list[asyncio.Task] = []
+        # called with each replica that reports ready (a restart's too): LoraControl's
+        self.ready_hooks: list[Callable[[Replica], None]] = []
         for replica in replicas:
             self._declare(replica)
 
@@ -143,7 +147,7 @@ class RouterManager:
             self.trace("tokens", *(out.rid for out in msg.outputs))
             for out in msg.outputs:
                 self._deliver(replica, out.rid, out)
-        elif isinstance(msg, EmbedOut):
+        elif isinstance(msg, (EmbedOut, LoraUpdated)):
             self._deliver(replica, msg.rid, msg)
         elif isinstance(msg, ReqError):
             headers = {"Retry-After": str(math.ceil(msg.retry_after))} if msg.retry_after else None
@@ -171,12 +175,14 @@ class RouterManager:
         if self.metrics:
             self.metrics.observe_ready(msg, replica.id)  # before /health can say 200
         replica.ready_event.set()
+        for hook in self.ready_hooks:
+            hook(replica)
         if len(self.replicas) > 1:
             logger.info("replica %s ready (%s)", replica.id, replica.address)
         self._settled.set()
 
     def _deliver(
-        self, replica: Replica, rid: str, item: TokenOut | EmbedOut | RequestError
+        self, replica: Replica, rid: str, item: TokenOut | EmbedOut | LoraUpdated | RequestError
     ) -> None:
         pending = self.pending.get(rid)
         if pending is not None and pending.replica is replica:
@@ -375,6 +381,30 @@ class RouterManager:
                 pending.replica.in_flight.discard(rid)
                 if not finished:
                     self._send_nowait(pending.replica, AbortReq(rid))
+
+    async def update_lora(self, lora: int, name: str, path: str = "") -> None:
+        """Load the adapter at `path` as id `lora` on every serving replica, or (no path)
+        unload it once its requests there are done; RequestError (400) with the worker's
+        reason if one refuses."""
+        await self._wait_serving()
+        for replica in self.replicas.serving():
+            await self.update_replica_lora(replica, lora, name, path)
+
+    async def update_replica_lora(self, replica: Replica, lora: int, name: str, path: str) -> None:
+        """`update_lora` on one replica."""
+        rid = uuid.uuid4().hex
+        self.pending[rid] = pending = _Pending(replica=replica)
+        replica.in_flight.add(rid)  # a replica lost meanwhile answers with _Lost
+        try:
+            await replica.link.send(encode(LoraUpdate(rid, lora, name, path)))
+            item = await pending.queue.get()
+        finally:
+            self.pending.pop(rid, None)
+            replica.in_flight.discard(rid)
+        if isinstance(item, (_Lost, RequestError)):
+            raise item.error if isinstance(item, _Lost) else item
+        if item.error:
+            raise RequestError(item.error, param="lora_path" if path else "lora_name")
 
     def _retry_possible(self, lost: _Lost) -> bool:
         others = [r for r in self.replicas.serving() if r is not lost.replica]

@@ -24,6 +24,7 @@ from common.sizes import format_size
 from common.trace import Trace
 from router.api.api_context import ApiContext
 from router.api.chat_overrides import apply_chat_overrides
+from router.api.lora_control import LoraControl
 from router.metrics import Metrics
 from router.replicas.manager import RouterManager
 from router.replicas.replica_set import Replica, ReplicaLink, ReplicaSet
@@ -43,7 +44,9 @@ class LoadedModel:
         `runtime_dir`: a new directory for its sockets (short: an ipc path has ~100
         bytes)."""
         self.entry, self.metrics, self.template = entry, metrics.for_model(entry.name), template
-        self.args = dataclasses.replace(args, model_path=entry.path)
+        # its own adapters only, in its entry's order (their ids: self.names)
+        self.args = dataclasses.replace(args, model_path=entry.path, lora=entry.lora_flags())
+        self.names = entry.names()
         os.mkdir(runtime_dir)
         endpoints = Endpoints.ipc(runtime_dir) if args.transport == "ipc" else Endpoints.tcp()
         self.children = Children(self.args, endpoints, f"-{entry.name}", stopping, standbys=False)
@@ -51,6 +54,7 @@ class LoadedModel:
         self.replica = Replica("r0", endpoints.scheduler_in, ReplicaLink.local(self.ctx, endpoints))
         self.manager: RouterManager | None = None
         self.api: ApiContext | None = None
+        self.loras: LoraControl | None = None  # its adapters at run time, once it serves
         self.tasks: list[asyncio.Task] = []
         self.last_used = time.monotonic()
         self.gave_up = asyncio.Event()  # its pair crash-looped (--max-restarts)
@@ -90,7 +94,8 @@ class LoadedModel:
             return failure
         manager.serving()
         self.tasks.append(asyncio.create_task(self._watch(supervision)))
-        self.api = ApiContext(manager, tokenizer, args, self.metrics, self.entry.names())
+        self.api = ApiContext(manager, tokenizer, args, self.metrics, self.names)
+        self.loras = LoraControl(manager, self.names, args)
         return None
 
     async def _watch(self, supervision: Supervision) -> None:

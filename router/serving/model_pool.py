@@ -34,6 +34,7 @@ import time
 from fastapi.responses import JSONResponse
 
 from common.child_process import StopFlag
+from common.lora_adapters import LoraSpec
 from common.server_args import ServerArgs
 from common.sizes import format_size, parse_size
 from router.api.api_context import ApiContext
@@ -83,15 +84,17 @@ class ModelPool:
         return model.api
 
     def cards(self) -> list[dict]:
-        return [self._card(entry.name, entry) for entry in self.registry]
+        """Each model, then its adapters."""
+        ids = [[e.name, *(spec.name for spec in e.loras)] for e in self.registry]
+        return [self.card(model_id) for names in ids for model_id in names]
 
     def card(self, model_id: str) -> dict:
-        return self._card(model_id, self.registry.find(model_id))
-
-    def _card(self, model_id: str, entry: ModelEntry) -> dict:
+        """A model's card, or an adapter's, which names its base as its `parent`."""
+        entry = self.registry.find(model_id)
         model = self.loaded.get(entry.name)
         max_len = model.manager.max_model_len if model is not None else 0
-        return model_card(model_id, max_len, loaded=model is not None)
+        extra = {"parent": entry.name} if entry.adapts(model_id) else {}
+        return model_card(model_id, max_len, loaded=model is not None, **extra)
 
     def health(self) -> JSONResponse:
         """200 while serving (a model that is not loaded is loaded when asked for)."""
@@ -147,6 +150,40 @@ class ModelPool:
         if model is not None:  # its requests may take long: loads go on meanwhile
             await self._stop(model)
         return self.card(entry.name)
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Serve the adapter at `path` as `name` (`BASE:NAME`, or `NAME` for the one model
+        it applies to): now if its model is loaded, else whenever it loads. Its card."""
+        self._check_serving()
+        base, _, lora = name.rpartition(":")
+        if base:
+            self.registry.find(base)  # 404 naming it
+        spec = LoraSpec(lora, os.path.abspath(path), base)
+        async with self.lock:  # no load of its model starts meanwhile without it
+            try:
+                entry = self.registry.base_of(spec)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="lora_path") from None
+            model = self.loaded.get(entry.name)
+            if model is not None and model.loras is not None:
+                await model.loras.load(lora, spec.path)
+            entry.loras.append(spec)
+        return self.card(lora)
+
+    async def unload_lora(self, name: str) -> dict:
+        """Stop serving an adapter (once its requests in flight are done); its card."""
+        entry = self.registry.find(name)
+        if not entry.adapts(name):
+            raise RequestError(f"no LoRA adapter {name!r} is loaded", "model_not_found", 404,
+                               param="lora_name")  # fmt: skip
+        lora = name.rpartition(":")[2]
+        card = self.card(name)
+        async with self.lock:  # a load under way of its model ends first (then unloads it)
+            entry.loras = [spec for spec in entry.loras if spec.name != lora]
+            model = self.loaded.get(entry.name)
+        if model is not None and model.loras is not None:  # its requests may take long
+            await model.loras.unload(lora)
+        return {**card, "loaded": False}
 
     # ------------------------------------------------------------ loading
 

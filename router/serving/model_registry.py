@@ -4,8 +4,11 @@ the names a request may give for each: its directory's name, the path as given,
 reported under) and `--model-alias` globs
 (`PATTERN=MODEL`, or a bare PATTERN for the first model).
 
-An entry says what kind of model it is (`kind`): every model is served for generation
-today; embedding models and adapters of a base will be entries of other kinds.
+Each LoRA adapter (`--lora [BASE:]NAME=PATH`, or loaded at run time) belongs to one
+entry, its base: a request naming `NAME` or `BASE:NAME` gets that entry, and its pair
+serves the adapter (it loads with its model). An adapter without BASE goes to the one
+model it applies to (common.lora_adapters.match_base); a name is a model's or an
+adapter's, never both.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from common.lora_adapters import LoraSpec, check_loras, match_base
 from common.server_args import ServerArgs, default_model_name
 from common.sizes import format_size
 from router.api.model_names import ModelNames
@@ -31,16 +35,30 @@ class ModelEntry:
     given: str = ""  # the path as the flag gave it (also accepted as the model's id)
     aliases: list[str] = dataclasses.field(default_factory=list)  # globs of other ids
     extra_names: list[str] = dataclasses.field(default_factory=list)  # --served-model-name
-    kind: str = "generate"
+    loras: list[LoraSpec] = dataclasses.field(default_factory=list)  # its adapters (base: it)
 
     def names(self) -> ModelNames:
-        """The names its requests may give (router.api.model_names)."""
-        return ModelNames([self.name, *self.extra_names], self.aliases, self.given or self.path)
+        """The names its requests may give (router.api.model_names); its adapters' ids
+        are their order, as its pair loads them from `lora_flags`."""
+        return ModelNames([self.name, *self.extra_names], self.aliases, self.given or self.path,
+                          [spec.name for spec in self.loras])  # fmt: skip
+
+    def lora_flags(self) -> list[str]:
+        """The --lora values its pair gets (the base is the pair's one model)."""
+        return [f"{spec.name}={os.path.abspath(spec.path)}" for spec in self.loras]
+
+    def adapts(self, name: str) -> bool:
+        """`name` is `NAME` or `BASE:NAME` of one of its adapters."""
+        base, _, lora = name.rpartition(":")
+        mine = any(spec.name == lora for spec in self.loras)
+        return mine and (not base or self.named(base))
+
+    def named(self, name: str) -> bool:
+        """`name` is one of its own names (not only a match of an alias glob)."""
+        return name in (self.name, self.given or self.path) or name in self.extra_names
 
     def answers(self, name: str) -> bool:
-        if name in (self.name, self.given or self.path) or name in self.extra_names:
-            return True
-        return any(fnmatchcase(name, pattern) for pattern in self.aliases)
+        return self.named(name) or any(fnmatchcase(name, pattern) for pattern in self.aliases)
 
     def weights_bytes(self) -> int:
         """The size of its weight files: the least memory it can load in."""
@@ -92,7 +110,31 @@ class ModelRegistry:
         for name in args.pin_model or []:
             if name not in registry.entries:
                 raise ValueError(f"--pin-model {name}: no such model ({registry.listing()})")
+        for spec in args.loras:
+            registry.add_lora(spec)
         return registry
+
+    def base_of(self, spec: LoraSpec) -> ModelEntry:
+        """The model the adapter belongs to: its BASE, else the one it applies to;
+        ValueError (one line) if none, or it does not apply to its BASE."""
+        for entry in self.entries.values():  # (an alias glob may match it: the adapter wins)
+            if entry.named(spec.name) or any(s.name == spec.name for s in entry.loras):
+                raise ValueError(f"{spec.flag}: {spec.name!r} is already a model's name")
+        if not spec.base:
+            return self.entries[match_base(spec, {e.name: e.path for e in self})]
+        base = next((e for e in self if e.named(spec.base)), None) or next(
+            (e for e in self if e.answers(spec.base)), None
+        )
+        if base is None:
+            raise ValueError(f"{spec.flag}: no model {spec.base!r}; {self.listing()}")
+        check_loras(base.path, [spec])
+        return base
+
+    def add_lora(self, spec: LoraSpec) -> ModelEntry:
+        """Give the adapter to its base (see `base_of`); the base."""
+        base = self.base_of(spec)
+        base.loras.append(spec)
+        return base
 
     def add(self, entry: ModelEntry) -> None:
         if entry.name in self.entries and self.entries[entry.name].path != entry.path:
@@ -114,6 +156,9 @@ class ModelRegistry:
             return self.first
         if name in self.entries:
             return self.entries[name]
+        for entry in self.entries.values():  # before the globs: `--model-alias '*'`
+            if entry.adapts(name):
+                return entry
         for entry in self.entries.values():
             if entry.answers(name):
                 return entry
