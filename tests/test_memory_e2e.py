@@ -27,6 +27,13 @@ pytestmark = pytest.mark.slow
 
 POOL = 16384
 SLACK = 96 << 20  # address space beyond the budget: thread arenas, libraries' own buffers
+# The cap counts address space, not memory: glibc gives each thread that allocates an
+# arena of 64 MiB of address space, and keeps freed blocks below its dynamic mmap
+# threshold in the heap. Which of OpenBLAS's threads allocates first varies from run to
+# run, so without these the same step fit the cap in one run and segfaulted in the next
+# (about one run in three on a 2-core Xeon). One arena, and big blocks always mapped and
+# unmapped, make the address space follow what is allocated.
+MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def _start(model: str, log_path, max_memory: str, env: dict) -> ServerProcess:
@@ -35,7 +42,7 @@ def _start(model: str, log_path, max_memory: str, env: dict) -> ServerProcess:
         "--memory-wait-timeout", "1.5", "--max-restarts", "3",
     ]  # fmt: skip
     srv = ServerProcess(model, log_path, extra=extra)
-    srv.env = dict(srv.env, RADIX_MLX_TEST_WORKER_ADDRESS_SPACE=str(SLACK), **env)
+    srv.env = dict(srv.env, RADIX_MLX_TEST_WORKER_ADDRESS_SPACE=str(SLACK), **MALLOC, **env)
     srv.start()
     return srv
 
