@@ -81,6 +81,15 @@ def report(rows: list[dict], mlx_load: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def other_model(path: str | None) -> str:
+    """The second model of a two-model server: `path`, or the tiny Llama."""
+    if path is not None:
+        return path
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", arch="llama"))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.model_load", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -93,11 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    other = args.other_model_path
-    if other is None:
-        from common.tiny_model import ensure_tiny_model
-
-        other = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", arch="llama"))
+    other = other_model(args.other_model_path)
     server_args = (f"--model-path {other} --max-loaded-models 1 --max-total-tokens 4096 "
                    "--restart-wait-timeout 600")  # fmt: skip
     server, model, _, _ = start_server(args.model_path, server_args, "model-load")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.model_load import other_model
 from benchmarks.soak import save_record, start_server
 from benchmarks.sse import iter_sse_data
 
@@ -101,11 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    other = args.other_model_path
-    if other is None:
-        from common.tiny_model import ensure_tiny_model
-
-        other = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", arch="llama"))
+    other = other_model(args.other_model_path)
     server_args = f"--model-path {other} --max-total-tokens 4096 --restart-wait-timeout 600"
     server, model, _, _ = start_server(args.model_path, server_args, "model-switch")
     models = [Path(model).name, Path(other).name]

@@ -148,13 +148,11 @@ def _qwen_vl_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Con
     }
 
 
-def _qwen3_vl_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Config:
-    """A Qwen3-VL ``config.json``: the language model's keys under ``text_config``, as
-    the HF checkpoints have them; two deepstack mergers (after each ViT block)."""
-    text = {
-        "model_type": "qwen3_vl",
+def _text_sizes(dims: dict[str, int], ids: dict[str, int], layers: int) -> Config:
+    """The language model's sizes, as the Qwen3-VL and Gemma 3 text configs name them."""
+    return {
         "hidden_size": dims["hidden"],
-        "num_hidden_layers": dims["layers"],
+        "num_hidden_layers": layers,
         "intermediate_size": dims["intermediate"],
         "num_attention_heads": dims["heads"],
         "num_key_value_heads": dims["kv_heads"],
@@ -163,6 +161,15 @@ def _qwen3_vl_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Co
         "vocab_size": ids["vocab_size"],
         "max_position_embeddings": 32768,
         "rope_theta": 10000.0,
+    }
+
+
+def _qwen3_vl_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Config:
+    """A Qwen3-VL ``config.json``: the language model's keys under ``text_config``, as
+    the HF checkpoints have them; two deepstack mergers (after each ViT block)."""
+    text = {
+        "model_type": "qwen3_vl",
+        **_text_sizes(dims, ids, dims["layers"]),
         "rope_scaling": {
             "rope_type": "default",
             "mrope_section": _mrope_sections(dims["head_dim"]),
@@ -199,19 +206,7 @@ def _qwen3_vl_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Co
 def _gemma3_config(arch: str, dims: dict[str, int], ids: dict[str, int]) -> Config:
     """Gemma 3's vision variant: the text builder's Gemma 3 config (L L G L layers,
     16-token windows) under ``text_config``, a 2-layer SigLIP under ``vision_config``."""
-    common = {
-        "hidden_size": dims["hidden"],
-        "num_hidden_layers": max(dims["layers"], 4),
-        "intermediate_size": dims["intermediate"],
-        "num_attention_heads": dims["heads"],
-        "num_key_value_heads": dims["kv_heads"],
-        "head_dim": dims["head_dim"],
-        "rms_norm_eps": 1e-6,
-        "vocab_size": ids["vocab_size"],
-        "max_position_embeddings": 32768,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    }
+    common = {**_text_sizes(dims, ids, max(dims["layers"], 4)), "tie_word_embeddings": True}
     text = family_config("gemma3", common)
     text.pop("architectures")
     text.update(mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE, rope_global_base_freq=10000.0)
