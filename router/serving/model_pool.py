@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from common.child_process import StopFlag
 from common.lora_adapters import LoraSpec
 from common.server_args import ServerArgs
-from common.sizes import format_size, parse_size
+from common.sizes import format_size
 from router.api.api_context import ApiContext
 from router.api.served_models import model_card
 from router.metrics import Metrics
@@ -44,9 +44,9 @@ from router.request_error import RequestError, unavailable
 from router.serving.loaded_model import LoadedModel
 from router.serving.model_files import ModelNotFound, resolve_model_path
 from router.serving.model_registry import ModelEntry, ModelRegistry
+from router.serving.model_room import GRACE, ModelRoom
 
 logger = logging.getLogger("router")
-GRACE = 1.0  # seconds a model chosen by a request is not unloaded (see the docstring)
 KEEP_INTERVAL = 0.25  # seconds between checks for idle models
 ROOM_POLL = 0.05  # seconds between checks for a busy model to become idle
 RETRY_AFTER = 5  # seconds, the Retry-After of a 503 while a model loads
@@ -64,8 +64,8 @@ class ModelPool:
         self.retired: set[LoadedModel] = set()
         self.lock = asyncio.Lock()  # one load or unload decision at a time
         self.loads = itertools.count()  # numbers each load's runtime subdirectory
-        self.budget = parse_size(args.models_memory_budget) if args.models_memory_budget else None
-        self.pinned = set(args.pin_model or [])
+        self.room = ModelRoom(args)
+        self.pinned = self.room.pinned
         self.state, self.reason = "serving", ""
         for entry in registry:
             metrics.add_model(entry.name)
@@ -267,75 +267,30 @@ class ModelPool:
 
     # ------------------------------------------------------------ room
 
-    def _share(self) -> int | None:
-        """The most one model's worker may get of the budget."""
-        if self.budget is None:
-            return None
-        return self.budget // (self.args.max_loaded_models or 1)
-
-    def _free(self, old: LoadedModel | None) -> int:
-        """What the budget leaves; in a swap the new version takes the old one's share
-        (both run while the old one finishes its requests)."""
-        held = sum(m.footprint for m in [*self.loaded.values(), *self.retired] if m is not old)
-        return self.budget - held
-
-    def _refuse_too_large(self, entry: ModelEntry) -> None:
-        weights, share = entry.weights_bytes(), self._share()
-        if share is None or weights <= share:
-            return
-        of = f"--models-memory-budget {format_size(self.budget)}"
-        if share != self.budget:
-            of += f" / --max-loaded-models {self.args.max_loaded_models} = {format_size(share)}"
-        raise RequestError(
-            f"model {entry.name!r} does not fit: its weights alone are {format_size(weights)}, "
-            f"over {of}", "insufficient_memory", 400, param="model",
-        )  # fmt: skip
-
-    def _needs_room(self, entry: ModelEntry, old: LoadedModel | None) -> bool:
-        others = [m for m in self.loaded.values() if m is not old]
-        limit = self.args.max_loaded_models
-        if limit is not None and len(others) >= limit:
-            return True
-        return self.budget is not None and self._free(old) < entry.weights_bytes()
-
-    def _victim(self, spare: LoadedModel | None) -> LoadedModel | None:
-        """The least recently used model that is not pinned and idle."""
-        now = time.monotonic()
-        idle = [
-            m for m in self.loaded.values()
-            if m is not spare and m.entry.name not in self.pinned
-            and not m.busy and now - m.last_used > GRACE
-        ]  # fmt: skip
-        return min(idle, key=lambda m: m.last_used, default=None)
-
     async def _make_room(self, entry: ModelEntry, old: LoadedModel | None) -> int | None:
         """Unload what must go for `entry` to load (beside `old`, in a swap); the
         --max-memory its worker gets (None: no budget)."""
-        self._refuse_too_large(entry)
+        room = self.room
+        room.refuse_too_large(entry)
         deadline = time.monotonic() + self.args.restart_wait_timeout
-        while self._needs_room(entry, old):
-            victim = self._victim(old)
+        while room.needs_room(entry, list(self.loaded.values()), self._models(), old):
+            victim = room.victim(list(self.loaded.values()), old)
             if victim is not None:
                 await self._unload(victim, f"to make room for {entry.name}")
                 continue
-            movable = [m for m in self.loaded.values()
-                       if m is not old and m.entry.name not in self.pinned]  # fmt: skip
-            if not movable or time.monotonic() > deadline:
-                held = ", ".join(f"{m.entry.name} ({self._why_kept(m)})"
+            if not room.movable(list(self.loaded.values()), old) or time.monotonic() > deadline:
+                held = ", ".join(f"{m.entry.name} ({room.why_kept(m)})"
                                  for m in self.loaded.values()) or "none"  # fmt: skip
                 raise unavailable(f"no room to load model {entry.name!r}: loaded {held}",
                                   RETRY_AFTER)  # fmt: skip
             await asyncio.sleep(ROOM_POLL)
-        if self.budget is None:
+        if room.budget is None:
             return None
-        given = min(self._free(old), self._share())
+        given = min(room.free(self._models(), old), room.share())
         logger.info("model %s gets --max-memory %s: what --models-memory-budget %s leaves "
                     "beside %d loaded model(s)", entry.name, format_size(given),
-                    format_size(self.budget), len(self.loaded))  # fmt: skip
+                    format_size(room.budget), len(self.loaded))  # fmt: skip
         return given
-
-    def _why_kept(self, model: LoadedModel) -> str:
-        return "pinned" if model.entry.name in self.pinned else "busy"
 
     async def _unload(self, model: LoadedModel, reason: str, evicted: bool = True) -> None:
         """Unload an idle model now (the caller holds the lock)."""
