@@ -88,6 +88,11 @@ class GroupDiskTier(DiskTier):
         self.forward = None
         self._agree_writable()
         self._known = _common_keys(self.group, self.store.keys())
+        if self.leader:
+            logger.info(
+                "kv disk tier: %d blocks on every rank of the group (each rank keeps its "
+                "part: %s)", len(self._known), self.store.part,
+            )  # fmt: skip
 
     def known_keys(self) -> list[str]:
         """The blocks every rank held at start-up (in this rank's LRU order)."""
