@@ -17,7 +17,8 @@ block holds the draft's KV of its tokens too, after the target's: a prefix loade
 disk is then there for the draft as a pool hit is.
 
 Which models use the tier is decided here (`unsupported`): the pools' KV and states must
-be the whole of a prefix's cache, and the pool must be one process's.
+be the whole of a prefix's cache. A distributed worker's ranks each keep their part of
+every block and agree on loads (worker_mlx/kv_disk_group.py).
 
 With --debug-invariants every installed block is read back from the pool and compared
 with the bytes the store verified (its checksum), so a wrong copy fails loudly.
