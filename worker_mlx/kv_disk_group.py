@@ -13,8 +13,10 @@ part of every block, and the group agrees on what it can serve.
   as many blocks and the ranks' LRUs evict the same ones.
 - **What is present.** At start-up the ranks all_gather their keys and the scheduler is
   told only the blocks every rank holds. Later, a part one rank dropped (its budget, a
-  damaged file, a disk of its own gone) is found at the next load of that block: the
-  group refuses it (below) and the scheduler forgets it, as for a damaged block.
+  damaged file) is found by rank 0's rescan every 5 s when the ranks share the
+  directory (one machine: rank 0 then drops its own part too, and the scheduler
+  forgets the block), and in any case at the next load of that block: the group
+  refuses it (below) and the scheduler forgets it, as for a damaged block.
 - **Loads.** Every rank's reader thread reads its own part. Rank 0 does not answer when
   its own read is done but forwards `GroupInstall(step)` to the other ranks; at that
   point of the frame stream every rank waits for its own read of that LoadBatch, the
@@ -34,10 +36,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import time
 
 import mlx.core as mx
 import numpy as np
 
+from common.distributed_plan import GROUP_BROKEN
 from common.kv_store.fingerprint import FINGERPRINT_CHARS
 from common.messages import BlocksLoaded, GroupInstall
 from common.protocol import encode
@@ -46,6 +50,8 @@ from worker_mlx.kv_disk import DiskTier
 logger = logging.getLogger(__name__)
 
 KEY_WORDS = 4  # a block key: 16 bytes, four int32 words on the wire
+# a part this old whose sibling parts are absent will not get them: its writers are done
+PART_GRACE_SECONDS = 30.0
 
 
 class GroupLayout:
@@ -86,6 +92,10 @@ class GroupDiskTier(DiskTier):
         self.group = rank.group
         self.leader = rank.spec.rank == 0
         self.forward = None
+        spec = rank.spec
+        # ranks on one machine share the directory: rank 0 sees every rank's parts
+        self.siblings = [f"r{r}of{spec.size}" for r in range(1, spec.size)]
+        self.shared_dir = self.leader and spec.ranks_on_host >= spec.size
         self._agree_writable()
         self._known = _common_keys(self.group, self.store.keys())
         if self.leader:
@@ -108,7 +118,11 @@ class GroupDiskTier(DiskTier):
             except queue.Empty:
                 return answers
             self.forward(encode(GroupInstall(step)))
-            answers.append(self._agree_install(step, blocks))
+            try:
+                answers.append(self._agree_install(step, blocks))
+            except Exception as exc:  # a peer lost mid-collective: the group restarts
+                logger.error("kv disk: load %d failed in the group (%s); exiting", step, exc)
+                raise SystemExit(GROUP_BROKEN) from exc
 
     def install_step(self, step: int) -> None:
         """A rank > 0 at rank 0's GroupInstall: its own read of that LoadBatch (LoadBatches
@@ -123,6 +137,16 @@ class GroupDiskTier(DiskTier):
         super().save(blocks)
         if not self.leader:
             self.report()  # (as above) so that its lists do not grow
+
+    def _rescan(self) -> None:
+        """(The writer thread.) Rank 0 on the ranks' shared directory also drops the
+        blocks another rank no longer holds (its budget, a damaged file), so that the
+        scheduler stops matching them before a load would find out."""
+        super()._rescan()
+        if self.shared_dir and hasattr(self.store, "part_path"):
+            for key in partial_blocks(self.store, self.siblings, time.time()):
+                logger.info("kv disk: block %s lost another rank's part; dropped", key)
+                self.store.forget(key)
 
     def _agree_install(self, step: int, blocks: list) -> BlocksLoaded:
         """Install the blocks every rank read, in order (all_min of the counts)."""
@@ -149,6 +173,22 @@ class GroupDiskTier(DiskTier):
         if self.store.writable:
             logger.warning("kv disk: another rank cannot write; the group's tier stops writing")
         self.store.writable = False
+
+
+def partial_blocks(store, siblings: list[str], now: float) -> list[str]:
+    """Keys of `store` (a FileBlockStore) whose part is older than PART_GRACE_SECONDS
+    and some of whose sibling parts are absent from the directory."""
+    out = []
+    for key in store.keys():
+        try:
+            age = now - store.part_path(key, store.part).stat().st_mtime
+        except OSError:
+            continue  # gone meanwhile: the store's own rescan forgets it
+        if age > PART_GRACE_SECONDS and not all(
+            store.part_path(key, part).exists() for part in siblings
+        ):
+            out.append(key)
+    return out
 
 
 def _common_keys(group, keys: list[str]) -> set[str]:

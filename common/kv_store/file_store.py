@@ -218,6 +218,14 @@ class FileBlockStore:
         except OSError as exc:
             self._stop_writing(exc)
 
+    def part_path(self, key: str, part: str) -> Path:
+        """Where another part of block `key` lives (a distributed worker's other rank)."""
+        return self.dir / "blocks" / key[:2] / f"{key}.{part}{SUFFIX}"
+
+    def forget(self, key: str) -> None:
+        """Drop a block that cannot be served (reported as dropped; its file removed)."""
+        self._forget(key, unlink=True)
+
     # ------------------------------------------------------------ inside
 
     def _path(self, key: str) -> Path:
