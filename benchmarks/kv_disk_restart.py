@@ -43,6 +43,15 @@ def _wait_blocks(kv_dir: Path, n: int, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
+def _ranks(server_args: str) -> int:
+    """Rank processes of the worker: each writes its own part file of every block."""
+    words, n = server_args.split(), 1
+    for flag in ("--tp-size", "--pp-size"):
+        if flag in words:
+            n *= int(words[words.index(flag) + 1])
+    return n
+
+
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     session = [rng.randrange(3, 500) for _ in range(args.prompt_len)]
@@ -57,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
         server, _, log1, _ = start_server(model, flags, "kv-disk-1")
         try:
             cold1, _, out = _first_token(server.url, session)
-            _wait_blocks(kv_dir, args.prompt_len // args.block)
+            _wait_blocks(kv_dir, args.prompt_len // args.block * _ranks(args.server_args))
         finally:
             server.stop()
         turn = session + out + [rng.randrange(3, 500) for _ in range(args.new_tokens)]

@@ -363,6 +363,15 @@ class LoadBatch:
 
 
 @dataclass
+class GroupInstall:
+    """Rank 0 of a distributed worker -> the other ranks (never the scheduler): rank 0
+    read its part of LoadBatch `step`; every rank now waits for its own, the group agrees
+    how many blocks all ranks read (the shortest) and each installs that many."""
+
+    step: int
+
+
+@dataclass
 class DiskReport:
     """The disk tier's state and what happened since the worker's previous report:
     `errors` by reason, the seconds of each block read and write, the keys the store
@@ -538,5 +547,7 @@ ROUTER_INBOX = _registry(
     LoraUpdated,
 )
 WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch, LoadBatch, LoraUpdate)
+# a distributed worker's rank > 0: what rank 0 forwards, and what it adds itself
+RANK_INBOX = {**WORKER_INBOX, **_registry(GroupInstall)}
 REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing, EmbedReq)
 REPLICA_CONTROL_INBOX = _registry(ReplicaStatus, ReplicaFrameError)

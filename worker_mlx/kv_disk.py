@@ -17,7 +17,8 @@ block holds the draft's KV of its tokens too, after the target's: a prefix loade
 disk is then there for the draft as a pool hit is.
 
 Which models use the tier is decided here (`unsupported`): the pools' KV and states must
-be the whole of a prefix's cache, and the pool must be one process's.
+be the whole of a prefix's cache. A distributed worker's ranks each keep their part of
+every block and agree on loads (worker_mlx/kv_disk_group.py).
 
 With --debug-invariants every installed block is read back from the pool and compared
 with the bytes the store verified (its checksum), so a wrong copy fails loudly.
@@ -56,9 +57,8 @@ EXIT_DRAIN_SECONDS = 3.0
 
 
 def unsupported(args: ServerArgs) -> str | None:
-    """Why this server cannot use the tier yet (None: it can)."""
-    if args.group_size > 1:
-        return "a distributed worker (each rank holds a share of the pool)"
+    """Why this server cannot use the tier yet (None: it can). A distributed worker can:
+    each rank keeps its own part of every block (worker_mlx/kv_disk_group.py)."""
     return None
 
 
@@ -71,11 +71,13 @@ def default_budget(root: Path) -> int:
 
 
 def open_tier(
-    args: ServerArgs, pool: MlxKVPool, states: StatePool | None, draft: MlxKVPool | None = None
-) -> DiskTier | None:
+    args: ServerArgs, pool: MlxKVPool, states: StatePool | None, draft: MlxKVPool | None = None,
+    rank=None,
+) -> DiskTier | None:  # fmt: skip
     """The tier --kv-disk-dir asks for, or None (off, or a model it does not serve yet:
     one log line says which). `states`: a recurrent model's state pool; `draft`: the
-    draft model's pool."""
+    draft model's pool; `rank`: a distributed worker's worker_mlx.distributed.Rank (every
+    rank opens the tier at the same point: the group agrees on its layout)."""
     if not args.kv_disk_dir:
         return None
     why = unsupported(args)
@@ -90,12 +92,21 @@ def open_tier(
         draft_print = fingerprint(args.speculative_draft_model_path, repr(draft.layout), block)
         layout += f" draft={draft_print}"
     print_ = fingerprint(args.model_path, layout, block)
-    store = FileBlockStore(root, print_, budget)
+    group = None
+    if rank is not None:  # this rank's part of each block, under the group's fingerprint
+        from worker_mlx.kv_disk_group import GroupLayout
+
+        token_bytes = sum(_token_bytes([p for layer in pool.parts for p in layer]))
+        group = GroupLayout.agree(rank, print_, budget, token_bytes)
+        print_, budget = group.fingerprint, group.budget
+    store = FileBlockStore(root, print_, budget, group.part if group else "")
     used, blocks = store.usage()
     logger.info(
         "kv disk tier: %s, %d blocks of %d tokens (%s of %s)",
         store.dir, blocks, block, format_size(used), format_size(budget),
     )  # fmt: skip
+    if group is not None:
+        return group.open(store, pool, block, states, verify=args.debug_invariants, draft=draft)
     return DiskTier(store, pool, block, states, verify=args.debug_invariants, draft=draft)
 
 
@@ -257,15 +268,23 @@ class DiskTier:
                 step, blocks = self._read_done.get_nowait()
             except queue.Empty:
                 return answers
+            answers.append(self._install_read(step, blocks))
+
+    def _install_read(self, step: int, blocks: list) -> BlocksLoaded:
+        """One LoadBatch's blocks the reader read, into the pool."""
+        for load, (raws, states) in blocks:
+            self._install(load, raws, states)
+        mx.eval([a for pool in self.pools for a in pool.arrays()])
+        mx.eval(self.states.all() if self.states else [])
+        if self.verify:
             for load, (raws, states) in blocks:
-                self._install(load, raws, states)
-            mx.eval([a for pool in self.pools for a in pool.arrays()])
-            mx.eval(self.states.all() if self.states else [])
-            if self.verify:
-                for load, (raws, states) in blocks:
-                    self._check_installed(load, raws, states)
-            self.loading -= 1
-            answers.append(BlocksLoaded(step, len(blocks)))
+                self._check_installed(load, raws, states)
+        self.loading -= 1
+        return BlocksLoaded(step, len(blocks))
+
+    def known_keys(self) -> list[str]:
+        """The blocks the scheduler may match at start-up."""
+        return self.store.keys()
 
     def _install(self, load: BlockLoad, raws: list[np.ndarray], states: list[np.ndarray]):
         """A block's tokens from `load.offset` on into `load.slots` (and its state)."""

@@ -16,12 +16,14 @@ from common.distributed_plan import GROUP_BROKEN, GroupSpec
 from common.ipc import Endpoints, ParentWatch, bind_pull, connect_push
 from common.log import setup_logging
 from common.messages import (
+    RANK_INBOX,
     WORKER_INBOX,
     BlocksLoaded,
     DecodeBatch,
     EmbedBatch,
     EmbedResult,
     ExtendBatch,
+    GroupInstall,
     LoadBatch,
     LoraUpdate,
     LoraUpdated,
@@ -74,9 +76,9 @@ def run_worker(
         ready.embedding_normalized = embedder.pooling.normalize
     ready.generates = not getattr(runner.model, "headless", False)
     drafter = getattr(getattr(engine, "proposer", None), "runner", None)  # a draft model's
-    disk = open_tier(args, runner.pool, runner.states, drafter.pool if drafter else None)
+    disk = open_tier(args, runner.pool, runner.states, drafter.pool if drafter else None, rank)
     if disk is not None:
-        ready.disk_blocks, ready.disk_block_tokens = disk.store.keys(), disk.block_tokens
+        ready.disk_blocks, ready.disk_block_tokens = disk.known_keys(), disk.block_tokens
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)
@@ -85,9 +87,12 @@ def run_worker(
     trace = Trace(args.trace_dir, name)
     probe = CollectiveProbe(rank, runner.model) if rank is not None else None
     if spec is not None and spec.rank > 0:
-        serve(engine, follower_inbox(ctx, spec), None, trace, cache.after_step, probe=probe)
+        inbox = follower_inbox(ctx, spec)
+        serve(engine, inbox, None, trace, cache.after_step, probe=probe, disk=disk)
         return
     forward = Fanout(ctx, spec.fanout) if spec is not None else None
+    if disk is not None and forward is not None:
+        disk.forward = forward  # a group's tier tells the ranks when to install a load
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
@@ -123,7 +128,7 @@ def serve(
             continue
         frame = inbox.recv()
         try:
-            msg = decode(frame, WORKER_INBOX)
+            msg = decode(frame, WORKER_INBOX if outbox is not None else RANK_INBOX)
         except ProtocolError as exc:
             logger.warning("bad frame from scheduler: %s", exc)
             # the step it names, if any: the scheduler fails that step instead of waiting
@@ -137,6 +142,8 @@ def serve(
         trace("recv", step, *(["ahead"] if engine.runner.lookahead.has_step else []))
         reply = execute(engine, msg, probe is not None, guard, embedder, disk)
         trace("done", step)
+        if isinstance(msg, GroupInstall):
+            continue  # not a step: nothing to answer, nothing new to compute ahead
         if reply is not None and outbox is not None:
             if probe is not None and isinstance(reply, StepResult):
                 reply.collective_seconds = probe.take()
@@ -172,6 +179,9 @@ def execute(
             if disk is None:
                 return BlocksLoaded(msg.step, 0)
             disk.submit(msg.step, msg.loads)  # answered once read (serve's loop)
+            return None
+        if isinstance(msg, GroupInstall):  # a rank > 0: rank 0 read that load's blocks
+            disk.install_step(msg.step)
             return None
         if isinstance(msg, LoraUpdate):  # between steps: no row of an unloaded adapter runs
             return engine.runner.update_lora(msg)

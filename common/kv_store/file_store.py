@@ -43,11 +43,15 @@ STALE_TEMP_SECONDS = 60  # a temporary file this old belongs to a writer that di
 class FileBlockStore:
     """`BlockStore` over a directory; safe for one writer thread and one reader thread."""
 
-    def __init__(self, root: str | Path, fingerprint: str, budget: int):
+    def __init__(self, root: str | Path, fingerprint: str, budget: int, part: str = ""):
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.dir = self.root / fingerprint
         self.budget = budget
+        self.part = part  # "" or a rank's part of each block (its files' extra suffix)
+        self._suffix = f".{part}{SUFFIX}" if part else SUFFIX
+        self._index = f"index.{part}.json" if part else INDEX
+        self._file_print = f"{fingerprint}.{part}" if part else fingerprint
         self.writable = True
         self._lock = threading.Lock()
         self._blocks: OrderedDict[str, int] = OrderedDict()  # key -> bytes, LRU first
@@ -85,14 +89,16 @@ class FileBlockStore:
             except OSError:
                 continue
             if path.name.endswith(SUFFIX):
-                found[path.name[: -len(SUFFIX)]] = (st.st_size, st.st_mtime)
+                key = path.name[: -len(self._suffix)]
+                if path.name.endswith(self._suffix) and "." not in key:  # not another part's
+                    found[key] = (st.st_size, st.st_mtime)
             elif now - st.st_mtime > STALE_TEMP_SECONDS:
                 path.unlink(missing_ok=True)
         return found
 
     def _read_index(self) -> list[str] | None:
         try:
-            return list(json.loads((self.dir / INDEX).read_text())["lru"])
+            return list(json.loads((self.dir / self._index).read_text())["lru"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -205,24 +211,32 @@ class FileBlockStore:
             return
         with self._lock:
             text = json.dumps({"lru": list(self._blocks)})
-        temp = self.dir / f"{INDEX}.tmp.{os.getpid()}"
+        temp = self.dir / f"{self._index}.tmp.{os.getpid()}"
         try:
             temp.write_text(text)
-            os.replace(temp, self.dir / INDEX)
+            os.replace(temp, self.dir / self._index)
         except OSError as exc:
             self._stop_writing(exc)
+
+    def part_path(self, key: str, part: str) -> Path:
+        """Where another part of block `key` lives (a distributed worker's other rank)."""
+        return self.dir / "blocks" / key[:2] / f"{key}.{part}{SUFFIX}"
+
+    def forget(self, key: str) -> None:
+        """Drop a block that cannot be served (reported as dropped; its file removed)."""
+        self._forget(key, unlink=True)
 
     # ------------------------------------------------------------ inside
 
     def _path(self, key: str) -> Path:
-        return self.dir / "blocks" / key[:2] / f"{key}{SUFFIX}"
+        return self.dir / "blocks" / key[:2] / f"{key}{self._suffix}"
 
     def _metadata(self, key, parent, tokens, arrays) -> dict[str, str]:
         meta = {
             "key": key,
             "parent": parent,
             "tokens": json.dumps(tokens),
-            "fingerprint": self.fingerprint,
+            "fingerprint": self._file_print,
         }
         meta["checksum"] = _checksum(meta, arrays)
         return meta
@@ -233,7 +247,7 @@ class FileBlockStore:
             arrays = load(data)
         except (SafetensorError, ValueError, KeyError, TypeError) as exc:
             raise BlockError("truncated", f"block {key}: unreadable ({exc})") from exc
-        if meta.get("fingerprint") != self.fingerprint or meta.get("key") != key:
+        if meta.get("fingerprint") != self._file_print or meta.get("key") != key:
             raise BlockError("foreign", f"block {key}: written for another model or key")
         if meta.get("checksum") != _checksum(meta, arrays):
             raise BlockError("checksum", f"block {key}: checksum mismatch")
