@@ -16,9 +16,9 @@ With a draft model (--speculative-algorithm draft), whose pool has the same slot
 block holds the draft's KV of its tokens too, after the target's: a prefix loaded from
 disk is then there for the draft as a pool hit is.
 
-Which models use the tier is decided here (`unsupported`): the pools' KV and states must
-be the whole of a prefix's cache. A distributed worker's ranks each keep their part of
-every block and agree on loads (worker_mlx/kv_disk_group.py).
+`worker_mlx/kv_disk_open.py` opens the tier (its directory, budget and fingerprint). A
+distributed worker's ranks each keep their part of every block and agree on loads
+(worker_mlx/kv_disk_group.py).
 
 With --debug-invariants every installed block is read back from the pool and compared
 with the bytes the store verified (its checksum), so a wrong copy fails loudly.
@@ -29,88 +29,27 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
-import shutil
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from common.kv_store.block_keys import state_key
-from common.kv_store.file_store import FileBlockStore
-from common.kv_store.fingerprint import fingerprint
 from common.kv_store.store import BlockError, BlockStore
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
-from common.server_args import ServerArgs
-from common.sizes import format_size, parse_size
 from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.state_pool import StatePool
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_BUDGET = 64 << 30
 # how often the writer looks for blocks other servers wrote and saves the LRU order
 RESCAN_SECONDS = 5.0
 EXIT_DRAIN_SECONDS = 3.0
 
 
-def unsupported(args: ServerArgs) -> str | None:
-    """Why this server cannot use the tier yet (None: it can). A distributed worker can:
-    each rank keeps its own part of every block (worker_mlx/kv_disk_group.py)."""
-    return None
-
-
-def default_budget(root: Path) -> int:
-    """10% of the free space of the disk holding `root`, at most 64 GiB."""
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return min(shutil.disk_usage(probe).free // 10, MAX_DEFAULT_BUDGET)
-
-
-def open_tier(
-    args: ServerArgs, pool: MlxKVPool, states: StatePool | None, draft: MlxKVPool | None = None,
-    rank=None,
-) -> DiskTier | None:  # fmt: skip
-    """The tier --kv-disk-dir asks for, or None (off, or a model it does not serve yet:
-    one log line says which). `states`: a recurrent model's state pool; `draft`: the
-    draft model's pool; `rank`: a distributed worker's worker_mlx.distributed.Rank (every
-    rank opens the tier at the same point: the group agrees on its layout)."""
-    if not args.kv_disk_dir:
-        return None
-    why = unsupported(args)
-    if why is not None:
-        logger.warning("--kv-disk-dir is ignored for this model: %s", why)
-        return None
-    root = Path(args.kv_disk_dir)
-    budget = parse_size(args.kv_disk_budget) if args.kv_disk_budget else default_budget(root)
-    block = args.kv_disk_block_tokens
-    layout = repr(pool.layout) + (f" states={states.layout!r}" if states is not None else "")
-    if draft is not None:  # its KV is in every block: its weights decide reuse too
-        draft_print = fingerprint(args.speculative_draft_model_path, repr(draft.layout), block)
-        layout += f" draft={draft_print}"
-    print_ = fingerprint(args.model_path, layout, block)
-    group = None
-    if rank is not None:  # this rank's part of each block, under the group's fingerprint
-        from worker_mlx.kv_disk_group import GroupLayout
-
-        token_bytes = sum(_token_bytes([p for layer in pool.parts for p in layer]))
-        group = GroupLayout.agree(rank, print_, budget, token_bytes)
-        print_, budget = group.fingerprint, group.budget
-    store = FileBlockStore(root, print_, budget, group.part if group else "")
-    used, blocks = store.usage()
-    logger.info(
-        "kv disk tier: %s, %d blocks of %d tokens (%s of %s)",
-        store.dir, blocks, block, format_size(used), format_size(budget),
-    )  # fmt: skip
-    if group is not None:
-        return group.open(store, pool, block, states, verify=args.debug_invariants, draft=draft)
-    return DiskTier(store, pool, block, states, verify=args.debug_invariants, draft=draft)
-
-
-def _token_bytes(arrays: list[mx.array]) -> list[int]:
+def token_bytes(arrays: list[mx.array]) -> list[int]:
     """Per array, the bytes of one slot (its first axis indexes slots)."""
     return [a.dtype.size * int(np.prod(a.shape[1:])) for a in arrays]
 
@@ -134,8 +73,8 @@ class DiskTier:
         self._last_state = None
         # per pool part (pool by pool, layer by layer, K's parts then V's), the bytes of
         # one token, and per state array, the bytes of one state slot
-        self._part_bytes = _token_bytes(self._parts())
-        self._state_bytes = _token_bytes(states.all()) if states is not None else []
+        self._part_bytes = token_bytes(self._parts())
+        self._state_bytes = token_bytes(states.all()) if states is not None else []
         self.loading = 0  # LoadBatches submitted and not answered yet
         self._queue: queue.Queue = queue.Queue()
         self._reads_queue: queue.Queue = queue.Queue()

@@ -57,7 +57,7 @@ def run_worker(
     from worker_mlx.buffer_cache import BufferCacheBound
     from worker_mlx.distributed import CollectiveProbe, Fanout, follower_inbox, join_group
     from worker_mlx.embed_pass import load_embedder
-    from worker_mlx.kv_disk import open_tier
+    from worker_mlx.kv_disk_open import open_tier
     from worker_mlx.loader import load_runner
     from worker_mlx.memory import StepGuard, apply_test_limits
 
