@@ -25,10 +25,12 @@ slot that becomes the loaded prefix's snapshot.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from common.cache_salt import stored_namespace
 from common.kv_store.block_keys import block_keys, root_key, state_key
+from common.kv_store.fingerprint import adapter_identity
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from scheduler.cache import KVCacheManager
 from scheduler.request import Req
@@ -52,8 +54,9 @@ class DiskIndex:
         self, keys: list[str], block_tokens: int, states: bool = False, adapters: list[str] = ()
     ):
         self.keys = set(keys)  # blocks' keys, and the state_keys of stored states
-        # per LoRA adapter id (0: the base), its identity (fingerprint.adapter_identity)
-        self.adapters = ["", *adapters]
+        # per LoRA adapter id (0: the base), its identity (fingerprint.adapter_identity);
+        # adapters loaded at run time join it (`adapter_loaded`)
+        self.adapters = dict(enumerate(["", *adapters]))
         self.block_tokens = block_tokens
         self.states = states  # recurrent layers: a prefix resumes only from a stored state
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
@@ -65,6 +68,19 @@ class DiskIndex:
     def namespace(self, salt: str | None, lora: int) -> int:
         """The namespace of a request's block keys (`Req.disk_namespace`)."""
         return stored_namespace(salt, self.adapters[lora])
+
+    def adapter_loaded(self, lora: int, path: str) -> None:
+        """An adapter loaded at run time (/admin/loras/load) as id `lora`, or (`path` "")
+        unloaded: its blocks are keyed by a digest of its files, as a --lora adapter's,
+        so a name loaded again with other weights never meets the old blocks, and the
+        same files loaded again (after a restart too) do."""
+        if path:
+            try:
+                self.adapters[lora] = adapter_identity(path)
+            except OSError:  # the worker's load fails too; if not, its blocks meet nothing
+                self.adapters[lora] = f"unreadable:{uuid.uuid4()}"
+        else:
+            self.adapters.pop(lora, None)
 
     # ------------------------------------------------------------ saves
 

@@ -106,8 +106,13 @@ class SchedulerProcess:
         as one) and answer the router."""
         self.sched.step += 1
         update.step = self.sched.step
+        disk = self.sched.disk
+        if disk is not None and update.path:  # the files the worker is about to load
+            disk.adapter_loaded(update.lora, update.path)
         self.to_worker.send(encode(update))
         answer = self.sched.lora_updates.done(update, self._wait_result(update))
+        if disk is not None and (answer.error or not update.path):
+            disk.adapter_loaded(update.lora, "")  # refused, or unloaded
         self.sched.adapters_changed(answer.held_delta)
         self.to_router.send(encode(answer))
 

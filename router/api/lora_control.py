@@ -54,9 +54,12 @@ class LoraControl:
     def _refuse_here(self) -> None:
         """Where adapters cannot load at run time: 400 naming the flag."""
         args = self.args
-        flags = [("--speculative-algorithm", args.speculative_algorithm != "none"),
-                 ("--tp-size/--pp-size", args.group_size > 1), ("--replica", bool(args.replica)),
-                 ("--kv-disk-dir", bool(args.kv_disk_dir))]  # fmt: skip
+        # (with --kv-disk-dir they do: the scheduler keys their blocks by their files)
+        flags = [
+            ("--speculative-algorithm", args.speculative_algorithm != "none"),
+            ("--tp-size/--pp-size", args.group_size > 1),
+            ("--replica", bool(args.replica)),
+        ]
         for flag, on in flags:
             if on:
                 raise RequestError(f"LoRA adapters cannot load at run time with {flag}")
