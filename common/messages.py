@@ -320,13 +320,16 @@ class BlockSave:
     (common/kv_store/block_keys.py), its parent's key, its tokens and the pool slots that
     hold their KV (read after the release's flush, before any slot is reused); for a
     model with recurrent layers, `state_slot` (0: none) holds the state after the block's
-    last token, stored beside it (`state_key`) so a prefix can resume there."""
+    last token, stored beside it (`state_key`) so a prefix can resume there. For a
+    sliding-window model the block holds its full-attention layers' KV, and `window`
+    asks for the sliding layers' too, stored beside it (`window_key`)."""
 
     key: str
     parent: str
     tokens: list[int]
     slots: list[int]
     state_slot: int = 0
+    window: bool = False
 
 
 @dataclass
@@ -344,12 +347,15 @@ class BlockLoad:
     """A block to read from the disk tier into fresh pool slots: its tokens from `offset`
     on (the first `offset` are in the pool already) go to `slots`, one each. For a model
     with recurrent layers, the last block of a prompt's load also brings the state at its
-    end (`state_key`) into `state_slot` (0: none)."""
+    end (`state_key`) into `state_slot` (0: none). For a sliding-window model, `window`:
+    the sliding layers' KV is read too (`window_key`); else their slots are left as they
+    are, which no match ending in the trie reads (scheduler/sliding_windows.py)."""
 
     key: str
     offset: int
     slots: list[int]
     state_slot: int = 0
+    window: bool = False
 
 
 @dataclass
@@ -476,6 +482,9 @@ class WorkerReady:
     # None when the tier is off or this model cannot use it
     disk_blocks: list[str] | None = None
     disk_block_tokens: int = 0
+    # the largest sliding window of its layers (0: none): blocks store those layers'
+    # KV only where a later prompt attends it (scheduler/disk_tier.py)
+    disk_window: int = 0
 
 
 @dataclass

@@ -11,6 +11,8 @@ worker holds: each running request owns one working state (`req.state_slot`), a 
 may own a snapshot (the state at its end), and a snapshot the worker was told to take but
 whose tokens are not in the trie yet is owned by its request (`req.pending_snapshots`).
 Such a model can only resume from a snapshot, so its matches end at the deepest one.
+A sliding-window model with the disk tier resumes only where its sliding layers' window
+holds KV (`window`, scheduler/sliding_windows.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from common.messages import ExtendReq
 from scheduler.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from scheduler.radix_cache import MatchResult, RadixCache
 from scheduler.request import Req
+from scheduler.sliding_windows import windowed_end, windowless_runs
 
 EVICT_FRACTION = 1024  # evict at least capacity / 1024 tokens when short
 
@@ -58,6 +61,9 @@ class KVCacheManager:
         # with the disk tier on a recurrent model, its block size: each prompt also
         # snapshots its state at its last block end, for the block to carry (disk_tier.py)
         self.block_tokens = 0
+        # with the disk tier on a sliding-window model, its largest window: a match ends
+        # only where the window before it holds the sliding layers' KV
+        self.window = 0
 
     @property
     def capacity(self) -> int:
@@ -78,11 +84,19 @@ class KVCacheManager:
         pad values agree at every position of the run (common/image_keys.py)."""
         fill = req.fill_ids
         head = fill[: len(fill) - 1]
-        m = self._match_head(head, req.namespace)
+        m = self.match_head(head, req.namespace)
         cut = whole_runs(req.images, len(m.slot_ids))
-        return m if cut == len(m.slot_ids) else self._match_head(head[:cut], req.namespace)
+        return m if cut == len(m.slot_ids) else self.match_head(head[:cut], req.namespace)
 
-    def _match_head(self, head: list[int], namespace: int) -> MatchResult:
+    def match_head(self, head: list[int], namespace: int) -> MatchResult:
+        """The longest prefix of `head` this model can resume after: to a snapshot
+        (recurrent layers), where the sliding layers' window holds KV (`window`)."""
+        if self.window and self.tree.windowless_nodes:
+            m = self.tree.match_prefix(head, namespace)
+            end = windowed_end(windowless_runs(self.tree, m), len(m.slot_ids), self.window)
+            if end == len(m.slot_ids) and not self.states:
+                return m
+            head = head[:end]
         if self.states:
             return self.tree.match_snapshot(head, namespace)
         return self.tree.match_prefix(head, namespace)
@@ -199,8 +213,9 @@ class KVCacheManager:
             return
         slots = self.req_to_token.get(req.rid)
         tokens = req.fill_ids[: req.num_computed]
-        done = self.tree.insert(tokens, slots[: req.num_computed], req.namespace)
-        req.dup_slots += slots[req.cache_len : done]
+        given = slots[: req.num_computed]  # (an insert may swap windowless slots into it)
+        done = self.tree.insert(tokens, given, req.namespace)
+        req.dup_slots += given[req.cache_len : done]
         m = self.tree.match_prefix(tokens, req.namespace)
         self.tree.inc_lock_ref(m.last_node)
         self.tree.dec_lock_ref(req.last_node)

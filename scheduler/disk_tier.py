@@ -21,19 +21,29 @@ its state at its last block end (`KVCacheManager.block_tokens`), a block saved w
 trie holds a snapshot at its end takes it along (stored as `state_key(key)`), and a load
 runs to the deepest block whose state is on disk, bringing that state into a fresh state
 slot that becomes the loaded prefix's snapshot.
+
+A sliding-window model's sliding layers attend only the `window` tokens before a token, so
+(as SGLang's SWA radix cache keeps only those) a block's entry holds the full-attention
+layers' KV, and the sliding layers' KV is stored (`window_key`) only for the blocks a
+later prompt resuming at the saved prompt's last block end, or at the end of all it
+saved, attends: the last ceil(window / block) before each. A load runs to the deepest
+block end whose window is all stored (or in the pool), and the blocks loaded without it
+join the trie as windowless nodes (scheduler/sliding_windows.py), where no match ends.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from itertools import groupby
 
 from common.cache_salt import stored_namespace
-from common.kv_store.block_keys import block_keys, root_key, state_key
+from common.kv_store.block_keys import block_keys, root_key, state_key, window_key
 from common.kv_store.fingerprint import adapter_identity
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from scheduler.cache import KVCacheManager
 from scheduler.request import Req
+from scheduler.sliding_windows import windowed, windowless_runs
 
 MAX_LOAD_TOKENS = 1 << 16  # per LoadBatch: a longer load goes in several
 PREFETCH_SHARE = 2  # loads ahead of admission take at most 1 / this of the pool
@@ -51,14 +61,16 @@ class PlannedLoad:
 
 class DiskIndex:
     def __init__(
-        self, keys: list[str], block_tokens: int, states: bool = False, adapters: list[str] = ()
-    ):
+        self, keys: list[str], block_tokens: int, states: bool = False, adapters: list[str] = (),
+        window: int = 0,
+    ):  # fmt: skip
         self.keys = set(keys)  # blocks' keys, and the state_keys of stored states
         # per LoRA adapter id (0: the base), its identity (fingerprint.adapter_identity);
         # adapters loaded at run time join it (`adapter_loaded`)
         self.adapters = dict(enumerate(["", *adapters]))
         self.block_tokens = block_tokens
         self.states = states  # recurrent layers: a prefix resumes only from a stored state
+        self.window = window  # sliding layers' largest window (0: none), see above
         self.saves: list[BlockSave] = []  # for the next ReleaseBatch
         self.touches: list[str] = []  # keys used again, for the next ReleaseBatch
         self.reports: list[DiskReport] = []  # for the router's metrics
@@ -91,24 +103,30 @@ class DiskIndex:
         B = self.block_tokens
         keys = block_keys(tokens, req.disk_namespace, B)
         states = self._block_states(kv, req, tokens, keys)
-        missing = [i for i, key in enumerate(keys) if key not in self.keys or i in states]
+        m = kv.tree.match_prefix(tokens[: len(keys) * B], req.namespace)
+        windows = self._block_windows(kv, req, keys, m)
+        missing = [
+            i for i, key in enumerate(keys) if key not in self.keys or i in states or i in windows
+        ]
         # the blocks it used again are the disk's most recent too: a prefix the pool keeps
-        # hot must not age out of the disk meanwhile
+        # hot must not age out of the disk meanwhile (and their states and windows)
         used = keys + [state_key(key) for key in keys] if self.states else keys
-        self.touches += [key for key in used if key in self.keys]  # (and states with them)
-        if not missing:
-            return
-        slots = kv.tree.match_prefix(tokens[: len(keys) * B], req.namespace).slot_ids
+        used += [window_key(key) for key in keys] if self.window else []
+        self.touches += [key for key in used if key in self.keys]
+        slots = m.slot_ids
         if len(slots) < len(keys) * B:
             return  # not all in the trie (--disable-radix-cache): nothing to copy from
         for i in missing:
             parent = keys[i - 1] if i else root_key(req.disk_namespace)
             piece = slice(i * B, (i + 1) * B)
             state = states.get(i, 0)
-            self.saves.append(BlockSave(keys[i], parent, tokens[piece], slots[piece], state))
+            save = BlockSave(keys[i], parent, tokens[piece], slots[piece], state, i in windows)
+            self.saves.append(save)
             self.keys.add(keys[i])  # one writer per block: later finishes do not ask again
             if state:
                 self.keys.add(state_key(keys[i]))
+            if save.window:
+                self.keys.add(window_key(keys[i]))
 
     def _block_states(self, kv: KVCacheManager, req: Req, tokens, keys) -> dict[int, int]:
         """Block index -> the trie's snapshot at its end, for the blocks whose state is
@@ -121,6 +139,23 @@ class DiskIndex:
             end // B - 1: slot
             for end, slot in on_path.items()
             if end % B == 0 and state_key(keys[end // B - 1]) not in self.keys
+        }
+
+    def _block_windows(self, kv: KVCacheManager, req: Req, keys, m) -> set[int]:
+        """The blocks whose sliding layers' KV to store (not on disk yet): those the
+        window before the prompt's last block end and before the end of `keys` reaches,
+        where the trie's slots hold it (`m`: the trie's match of the blocks)."""
+        if not self.window:
+            return set()
+        B, n = self.block_tokens, len(keys)
+        reach = -(-self.window // B)
+        runs = windowless_runs(kv.tree, m)
+        ends = {n, min(n, (len(req.input_ids) - 1) // B)}
+        return {
+            i
+            for end in ends
+            for i in range(max(0, end - reach), end)
+            if window_key(keys[i]) not in self.keys and windowed(runs, i * B, (i + 1) * B)
         }
 
     def take_saves(self) -> tuple[list[BlockSave], list[str]]:
@@ -168,17 +203,17 @@ class DiskIndex:
         keys = req.disk_keys
         # a recurrent model's pool prefix is usable to its deepest snapshot only: KV past
         # it is loaded again with the state at its end (the trie frees the duplicates)
-        match = kv.tree.match_snapshot if self.states else kv.tree.match_prefix
-        m = match(head, req.namespace)
+        # (a sliding-window model's, where its window holds KV)
+        m = kv.match_head(head, req.namespace)
         pooled = len(m.slot_ids)
         blocks = []
         for k in range(pooled // B, len(keys)):
             if keys[k] not in self.keys:
                 break
             blocks.append(k)
-        if self.states:  # resumable only where a state was stored: cut back to the last
-            while blocks and state_key(keys[blocks[-1]]) not in self.keys:
-                blocks.pop()
+        # resumable only where a state was stored, and the window before is: cut back
+        while blocks and not self._resumable(keys, blocks[-1], pooled):
+            blocks.pop()
         if any(keys[k] in taken for k in blocks):
             return None  # another prompt of this round loads them
         if not blocks:
@@ -201,11 +236,22 @@ class DiskIndex:
         loads, at = [], 0
         for k in blocks:
             offset = max(pooled - k * B, 0)
-            loads.append(BlockLoad(keys[k], offset, slots[at : at + B - offset]))
+            window = bool(self.window) and window_key(keys[k]) in self.keys
+            loads.append(BlockLoad(keys[k], offset, slots[at : at + B - offset], window=window))
             at += B - offset
         loads[-1].state_slot = state
         taken.update(keys[k] for k in blocks)
         return PlannedLoad(req, head[:end], m.slot_ids, loads)
+
+    def _resumable(self, keys: list[str], k: int, pooled: int) -> bool:
+        """Whether a prompt can resume after block `k` loaded (the pool holds `pooled`
+        tokens of it, where it can resume): the state after it is stored (recurrent
+        layers), the sliding layers' KV of the window before it is (sliding windows)."""
+        if self.states and state_key(keys[k]) not in self.keys:
+            return False
+        end = (k + 1) * self.block_tokens
+        first = max(end - self.window, pooled) // self.block_tokens
+        return not self.window or all(window_key(keys[j]) in self.keys for j in range(first, k + 1))
 
     def loaded(self, kv: KVCacheManager, planned: list[PlannedLoad], answer) -> None:
         """The worker's answer (BlocksLoaded, or a WorkerError: nothing loaded): loaded
@@ -220,7 +266,7 @@ class DiskIndex:
             kv.allocator.free([s for x in plan.loads[n:] for s in x.slots])
             if refused and n < len(plan.loads):
                 bad = plan.loads[n].key  # missing or damaged (or its state): not asked again
-                self.keys.difference_update((bad, state_key(bad)))
+                self.keys.difference_update((bad, state_key(bad), window_key(bad)))
                 refused = False
             state = plan.loads[-1].state_slot  # read with the last block, else unused
             if state and n < len(plan.loads):
@@ -229,11 +275,23 @@ class DiskIndex:
             if not slots:
                 continue
             tokens = plan.tokens[: len(plan.prefix) + len(slots)]
-            done = kv.tree.insert(tokens, plan.prefix + slots, plan.req.namespace)
-            kv.allocator.free((plan.prefix + slots)[len(plan.prefix) : done])
+            self._insert_loaded(kv, plan, plan.loads[:n], tokens)
             plan.req.disk_tokens = len(slots)
             if state:  # the loaded prefix's snapshot (freed if the trie has one there)
                 kv.attach_snapshot(tokens, state, plan.req.namespace)
+
+    def _insert_loaded(self, kv: KVCacheManager, plan: PlannedLoad, loads, tokens) -> None:
+        """The loaded blocks into the trie (runs of blocks loaded without their sliding
+        layers' KV as windowless nodes); slots of tokens the trie held already are freed."""
+        ns, given, at = plan.req.namespace, list(plan.prefix), len(plan.prefix)
+        for windowless, run in groupby(loads, lambda x: bool(self.window) and not x.window):
+            given += [s for x in run for s in x.slots]
+            end, part = len(given), list(given)
+            done = kv.tree.insert(tokens[:end], part, ns, windowless)
+            kv.allocator.free(part[at:done])  # (an unlocked windowless node's, if swapped)
+            if end < len(tokens):  # the next run's walk must meet the trie's own slots
+                given = kv.tree.match_prefix(tokens[:end], ns).slot_ids
+            at = end
 
     # ------------------------------------------------------------ reports
 

@@ -10,6 +10,11 @@ For models with recurrent layers a node may also hold a ``snapshot``: a state sl
 tree like its KV slots) holding the recurrent state after the tokens from the root to the node's
 end. Such a model can only resume at a node with a snapshot (``match_snapshot``).
 
+A sliding-window model's node may be ``windowless``: its slots hold the full-attention
+layers' KV but not the sliding layers' (blocks the disk tier stored without it), so a match
+may end only where the window before it has all its KV (``scheduler/sliding_windows.py``);
+an insert of the same tokens with their whole KV takes the place of an unlocked one.
+
 Namespaces (cache salts, ``common/cache_salt.py``): a salted request's tokens hang under a
 namespace node, a child of the root whose key is the salt's negative namespace int and which
 holds no slot (its ``value`` is empty), so requests of different salts never share a node. All
@@ -41,7 +46,7 @@ class TreeNode:
     ``priority`` (1: in a marked prefix, kept ahead of unmarked nodes)."""
 
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id", "snapshot",
-                 "priority")  # fmt: skip
+                 "priority", "windowless")  # fmt: skip
 
     def __init__(self, node_id: int, key: list[int], value: list[int], parent: TreeNode | None):
         self.id = node_id
@@ -53,6 +58,7 @@ class TreeNode:
         self.last_access = 0
         self.snapshot: int | None = None
         self.priority = 0
+        self.windowless = False
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock={self.lock_ref})"
@@ -94,6 +100,7 @@ class RadixCache:
         """Empty the tree without freeing anything (used by __init__ and reset)."""
         self.root = TreeNode(next(self._ids), [], [], None)
         self.root.lock_ref = 1  # the root is never evicted
+        self.windowless_nodes = 0  # only a sliding-window model's loads from disk make them
         self._evictable = 0
         self._protected = 0
 
@@ -192,12 +199,18 @@ class RadixCache:
             self.root.children[namespace] = node
         return node
 
-    def insert(self, token_ids: Sequence[int], slot_ids: Sequence[int], namespace: int = 0) -> int:
+    def insert(
+        self, token_ids: Sequence[int], slot_ids: Sequence[int], namespace: int = 0,
+        windowless: bool = False,
+    ) -> int:  # fmt: skip
         """Cache ``token_ids`` with their KV ``slot_ids``; return how many were already cached.
 
         The tree takes ownership of ``slot_ids[r:]`` where r is the return value. The caller keeps
         ownership of ``slot_ids[:r]`` and must free those it did not get from the tree. With
         ``disable=True`` nothing is taken and r == len(token_ids): the caller frees all its slots.
+        ``windowless``: the new slots lack the sliding layers' KV (the new node is marked);
+        else an unlocked windowless node on the way takes the caller's slots, whose list
+        (then a ``list``) gets the node's old ones in their place, the caller's to free.
         """
         if len(token_ids) != len(slot_ids):
             raise ValueError(f"{len(token_ids)} tokens but {len(slot_ids)} slots")
@@ -205,12 +218,27 @@ class RadixCache:
             return len(token_ids)
         tokens = _as_list(token_ids)
         node, matched = self._walk(tokens, None, self._namespace(namespace, create=True))
+        if not windowless and self.windowless_nodes and isinstance(slot_ids, list):
+            self._take_windowed(node, matched, slot_ids)
         if matched < len(tokens):
             leaf = TreeNode(next(self._ids), tokens[matched:], list(slot_ids[matched:]), node)
             leaf.last_access = node.last_access
+            leaf.windowless = windowless
+            self.windowless_nodes += windowless
             node.children[tokens[matched]] = leaf
             self._evictable += len(leaf.value)
         return matched
+
+    def _take_windowed(self, node: TreeNode, end: int, slot_ids: list[int]) -> None:
+        """Windowless unlocked nodes from ``node`` (ending at ``end``) up take the caller's
+        slots of their tokens (KV of every layer), giving it theirs."""
+        while node is not self.root:
+            start = end - len(node.value)
+            if node.windowless and not node.lock_ref and node.value != slot_ids[start:end]:
+                node.value, slot_ids[start:end] = slot_ids[start:end], node.value
+                node.windowless = False
+                self.windowless_nodes -= 1
+            end, node = start, node.parent
 
     def _walk(
         self, tokens: list[int], slots: list[int] | None, start: TreeNode
@@ -256,6 +284,8 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.priority = child.priority
+        upper.windowless = child.windowless
+        self.windowless_nodes += child.windowless
         child.key = child.key[k:]
         child.value = child.value[k:]
         child.parent = upper
@@ -314,6 +344,7 @@ class RadixCache:
             if node.snapshot is not None:
                 self._free_snapshots([node.snapshot])
                 snapshots += 1
+            self.windowless_nodes -= node.windowless
             freed += len(node.value)
             self._evictable -= len(node.value)
             del parent.children[node.key[0]]

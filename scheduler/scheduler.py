@@ -94,9 +94,13 @@ class Scheduler:
         if worker.disk_blocks is not None and not args.disable_radix_cache:
             states = worker.num_state_slots > 0
             adapters = [adapter_identity(spec.path) for spec in args.loras]
-            self.disk = DiskIndex(worker.disk_blocks, worker.disk_block_tokens, states, adapters)
+            window = worker.disk_window
+            self.disk = DiskIndex(
+                worker.disk_blocks, worker.disk_block_tokens, states, adapters, window
+            )
             if states:
                 self.kv.block_tokens = worker.disk_block_tokens
+            self.kv.window = window  # matches end where the window holds KV
 
     # ------------------------------------------------------------ inputs
 

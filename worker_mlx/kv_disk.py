@@ -12,6 +12,10 @@ A model with recurrent layers also stores the state after a block's last token, 
 scheduler names one (`BlockSave.state_slot`), as an entry of its own (`state_key`), and
 a load's last block brings it back into the state slot the scheduler chose.
 
+A sliding-window model's block holds its full-attention layers' KV only; its sliding
+layers' KV is stored (`window_key`) for the blocks the scheduler names (`BlockSave.window`:
+those a later prompt's window reaches) and read back only for those (`BlockLoad.window`).
+
 With a draft model (--speculative-algorithm draft), whose pool has the same slot ids, a
 block holds the draft's KV of its tokens too, after the target's: a prefix loaded from
 disk is then there for the draft as a pool hit is.
@@ -36,7 +40,7 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 
-from common.kv_store.block_keys import state_key
+from common.kv_store.block_keys import WINDOW_MARK, state_key, window_key
 from common.kv_store.store import BlockError, BlockStore
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from worker_mlx.kv_pool import MlxKVPool
@@ -55,6 +59,10 @@ def token_bytes(arrays: list[mx.array]) -> list[int]:
 
 
 class DiskTier:
+    # a sliding-window model's blocks hold the full-attention layers' KV, the windowed
+    # layers' apart where the scheduler asks (False: every layer's in every block)
+    split_windows = True
+
     def __init__(
         self, store: BlockStore, pool: MlxKVPool, block_tokens: int,
         states: StatePool | None = None, verify: bool = False, draft: MlxKVPool | None = None,
@@ -74,6 +82,12 @@ class DiskTier:
         # per pool part (pool by pool, layer by layer, K's parts then V's), the bytes of
         # one token, and per state array, the bytes of one state slot
         self._part_bytes = token_bytes(self._parts())
+        # per pool part, whether it is a sliding layer's (the target's; a draft has none),
+        # and the largest window (0: none; a group's ranks store every layer's KV)
+        windows = (pool.layout.windows if self.split_windows else ()) or (None,) * len(pool.parts)
+        self._sliding = [w is not None for w, layer in zip(windows, pool.parts) for _ in layer]
+        self._sliding += [False] * (len(self._part_bytes) - len(self._sliding))
+        self.window = max((w for w in windows if w is not None), default=0)
         self._state_bytes = token_bytes(states.all()) if states is not None else []
         self.loading = 0  # LoadBatches submitted and not answered yet
         self._queue: queue.Queue = queue.Queue()
@@ -95,17 +109,24 @@ class DiskTier:
         gathered = []
         for b in blocks:
             idx = mx.array(b.slots, dtype=mx.int32)
-            gathered.append([p[idx] for p in self._parts()])
+            parts = self._parts()
+            gathered.append([p[idx] for p, s in zip(parts, self._sliding) if not s])
+            gathered[-1] += [p[idx] for p, s in zip(parts, self._sliding) if s and b.window]
             if b.state_slot and self.states is not None:  # the state after its last token
                 gathered[-1] += [a[b.state_slot] for a in self.states.all()]
         mx.eval(gathered)
-        n = len(self._part_bytes)
+        n = self._sliding.count(False)
         for b, parts in zip(blocks, gathered):
             raw = [np.array(p.view(mx.uint8)) for p in parts]
             kv = {f"p{i}": r for i, r in enumerate(raw[:n])}
             self._queue.put((b.key, b.parent, b.tokens, kv))
-            if len(raw) > n:  # after its block: a state is only ever read with it
-                arrays = {f"s{i}": r for i, r in enumerate(raw[n:])}
+            # after its block: a window or a state is only ever read with it
+            w = self._sliding.count(True) if b.window else 0
+            if w:
+                arrays = {f"w{i}": r for i, r in enumerate(raw[n : n + w])}
+                self._queue.put((window_key(b.key), b.key, [WINDOW_MARK], arrays))
+            if len(raw) > n + w:
+                arrays = {f"s{i}": r for i, r in enumerate(raw[n + w :])}
                 self._queue.put((state_key(b.key), b.key, [], arrays))
 
     def _write_loop(self) -> None:
@@ -187,9 +208,11 @@ class DiskTier:
         B = self.block_tokens
         if len(block.tokens) != B or len(load.slots) + load.offset != B:
             raise BlockError("foreign", f"block {load.key}: not a block of this server's size")
-        raws = _raw_arrays(block.arrays, "p", [B * n for n in self._part_bytes])
+        sizes = [B * n for n, s in zip(self._part_bytes, self._sliding) if not s]
+        raws = _raw_arrays(block.arrays, "p", sizes)
         if raws is None:
             raise BlockError("foreign", f"block {load.key}: not this pool's layout")
+        raws = self._with_window(load, raws)
         if not load.state_slot:
             return raws, []
         stored = self.store.get(state_key(load.key))
@@ -197,6 +220,22 @@ class DiskTier:
         if stored.tokens or stored.parent != load.key or states is None:
             raise BlockError("foreign", f"state after block {load.key}: not this model's layout")
         return raws, states
+
+    def _with_window(self, load: BlockLoad, raws: list[np.ndarray]) -> list:
+        """Every pool part's raw bytes in `_parts` order: a sliding layer's from the
+        block's window entry when `load.window`, else None (its slots are left as is)."""
+        if not any(self._sliding):
+            return raws
+        windows = iter([])
+        if load.window:
+            stored = self.store.get(window_key(load.key))
+            sizes = [self.block_tokens * n for n, s in zip(self._part_bytes, self._sliding) if s]
+            got = _raw_arrays(stored.arrays, "w", sizes)
+            if stored.tokens != [WINDOW_MARK] or stored.parent != load.key or got is None:
+                raise BlockError("foreign", f"window of block {load.key}: not this pool's layout")
+            windows = iter(got)
+        full = iter(raws)
+        return [next(windows, None) if s else next(full) for s in self._sliding]
 
     def install_ready(self) -> list[BlocksLoaded]:
         """Write the blocks the reader has read into their slots (the MLX thread, between
@@ -229,12 +268,15 @@ class DiskTier:
         """A block's tokens from `load.offset` on into `load.slots` (and its state)."""
         idx = mx.array(load.slots, dtype=mx.int32)
         parts = [
-            mx.array(raw).view(p.dtype).reshape(self.block_tokens, *p.shape[1:])[load.offset :]
+            None  # a sliding layer's KV the block was loaded without: its slots stay as is
+            if raw is None
+            else mx.array(raw).view(p.dtype).reshape(self.block_tokens, *p.shape[1:])[load.offset :]
             for raw, p in zip(raws, self._parts())
         ]
         for pool in self.pools:
             for layer, stored in enumerate(pool.parts):
-                pool.write_parts(layer, idx, parts[: len(stored)])
+                if parts[0] is not None:
+                    pool.write_parts(layer, idx, parts[: len(stored)])
                 parts = parts[len(stored) :]
         for raw, a in zip(states, self.states.all() if states else []):
             a[load.state_slot] = mx.array(raw).view(a.dtype).reshape(a.shape[1:])
@@ -243,6 +285,8 @@ class DiskTier:
         """--debug-invariants: the pool now holds exactly the verified bytes."""
         idx = mx.array(load.slots, dtype=mx.int32)
         for raw, p, n in zip(raws, self._parts(), self._part_bytes):
+            if raw is None:
+                continue
             got = np.array(p[idx].view(mx.uint8)).reshape(-1)
             if not np.array_equal(got, raw.reshape(-1)[load.offset * n :]):
                 raise AssertionError(f"block {load.key}: the pool differs from the block read")

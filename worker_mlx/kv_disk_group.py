@@ -87,6 +87,10 @@ class GroupDiskTier(DiskTier):
     """One rank's DiskTier in a group. Rank 0's `forward` (its Fanout) is set by the
     worker before it serves."""
 
+    # a rank's pool may hold no windowed layer where another's does (PP): every rank
+    # stores every layer's KV of every block, and the scheduler is told no window
+    split_windows = False
+
     def __init__(self, *args, rank, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = rank.group

@@ -48,6 +48,8 @@ def open_tier(
     if draft is not None:  # its KV is in every block: its weights decide reuse too
         draft_print = fingerprint(args.speculative_draft_model_path, repr(draft.layout), block)
         layout += f" draft={draft_print}"
+    if rank is None and any(pool.layout.windows):  # (DiskTier.split_windows)
+        layout += " sliding=window-entries"  # blocks hold the full-attention layers' KV
     print_ = fingerprint(args.model_path, layout, block)
     group = None
     if rank is not None:  # this rank's part of each block, under the group's fingerprint

@@ -79,6 +79,7 @@ def run_worker(
     disk = open_tier(args, runner.pool, runner.states, drafter.pool if drafter else None, rank)
     if disk is not None:
         ready.disk_blocks, ready.disk_block_tokens = disk.known_keys(), disk.block_tokens
+        ready.disk_window = disk.window
     # not in a group: each rank's own count could refuse a step the others run
     guard = StepGuard(runner.memory) if spec is None else None
     cache = BufferCacheBound(runner.memory.cache)

@@ -39,3 +39,13 @@ def state_key(key: str) -> str:
     chained to the block with no tokens (so the store's check that an entry's tokens hash
     to its key holds), which never equals a block's key."""
     return block_key(key, [])
+
+
+WINDOW_MARK = -1  # no token id: a window entry's one "token"
+
+
+def window_key(key: str) -> str:
+    """Where a sliding-window model stores the sliding layers' KV of block `key` (the
+    block's own entry holds its full-attention layers'): an entry of its own, chained to
+    the block, stored only for blocks a later prompt's window can reach."""
+    return block_key(key, [WINDOW_MARK])
