@@ -110,8 +110,8 @@ class DiskIndex:
         ]
         # the blocks it used again are the disk's most recent too: a prefix the pool keeps
         # hot must not age out of the disk meanwhile (and their states and windows)
-        used = keys + [state_key(key) for key in keys] if self.states else keys
-        used += [window_key(key) for key in keys] if self.window else []
+        used = keys + [state_key(key) for key in keys if self.states]
+        used += [window_key(key) for key in keys if self.window]
         self.touches += [key for key in used if key in self.keys]
         slots = m.slot_ids
         if len(slots) < len(keys) * B:
