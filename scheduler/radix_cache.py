@@ -37,6 +37,7 @@ from itertools import count
 
 from common.prefix import common_prefix_len as _key_match_len
 from scheduler.memory_pool import TokenToKVPoolAllocator
+from scheduler.sliding_windows import take_windowed
 
 
 class TreeNode:
@@ -219,7 +220,7 @@ class RadixCache:
         tokens = _as_list(token_ids)
         node, matched = self._walk(tokens, None, self._namespace(namespace, create=True))
         if not windowless and self.windowless_nodes and isinstance(slot_ids, list):
-            self._take_windowed(node, matched, slot_ids)
+            self.windowless_nodes -= take_windowed(self.root, node, matched, slot_ids)
         if matched < len(tokens):
             leaf = TreeNode(next(self._ids), tokens[matched:], list(slot_ids[matched:]), node)
             leaf.last_access = node.last_access
@@ -228,17 +229,6 @@ class RadixCache:
             node.children[tokens[matched]] = leaf
             self._evictable += len(leaf.value)
         return matched
-
-    def _take_windowed(self, node: TreeNode, end: int, slot_ids: list[int]) -> None:
-        """Windowless unlocked nodes from ``node`` (ending at ``end``) up take the caller's
-        slots of their tokens (KV of every layer), giving it theirs."""
-        while node is not self.root:
-            start = end - len(node.value)
-            if node.windowless and not node.lock_ref and node.value != slot_ids[start:end]:
-                node.value, slot_ids[start:end] = slot_ids[start:end], node.value
-                node.windowless = False
-                self.windowless_nodes -= 1
-            end, node = start, node.parent
 
     def _walk(
         self, tokens: list[int], slots: list[int] | None, start: TreeNode

@@ -12,7 +12,10 @@ windowed: the first new token's sliding layers attend those.
 
 from __future__ import annotations
 
-from scheduler.radix_cache import MatchResult, RadixCache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.radix_cache import MatchResult, RadixCache, TreeNode
 
 
 def windowless_runs(tree: RadixCache, m: MatchResult) -> list[tuple[int, int]]:
@@ -40,3 +43,18 @@ def windowed_end(runs: list[tuple[int, int]], n: int, window: int) -> int:
 def windowed(runs: list[tuple[int, int]], start: int, stop: int) -> bool:
     """Whether tokens start..stop all hold the sliding layers' KV."""
     return not any(a < stop and start < b for a, b in runs)
+
+
+def take_windowed(root: TreeNode, node: TreeNode, end: int, slot_ids: list[int]) -> int:
+    """An insert's windowed KV (`slot_ids`, of every layer) takes the place of the unlocked
+    windowless nodes from `node` (ending at `end`) up: each takes the caller's slots of its
+    tokens and the caller's list gets the node's old ones there. Returns how many."""
+    taken = 0
+    while node is not root:
+        start = end - len(node.value)
+        if node.windowless and not node.lock_ref and node.value != slot_ids[start:end]:
+            node.value, slot_ids[start:end] = slot_ids[start:end], node.value
+            node.windowless = False
+            taken += 1
+        end, node = start, node.parent
+    return taken
