@@ -145,3 +145,22 @@ def test_the_worker_stores_and_reads_the_sliding_layers_apart(tmp_path):
         for part in pool.parts[layer]:
             for at in loaded:
                 assert np.array_equal(np.array(part[at : at + B]), np.array(part[1 : B + 1]))
+
+
+def test_a_load_over_windowless_nodes_brings_their_window():
+    tokens = list(range(400, 442))  # five whole blocks of its head
+    keys = block_keys(tokens[:-1], 0, B)
+    kv = _kv()
+    disk = DiskIndex([*keys, window_key(keys[3]), window_key(keys[4])], B, window=W)
+    _load_all(kv, disk, tokens)  # blocks 0-2 windowless
+    other = tokens[: 3 * B] + list(range(950, 960))
+    assert len(kv.match_head(other[:-1], 0).slot_ids) == 0
+    disk.keys |= {window_key(keys[1]), window_key(keys[2])}  # (another server saved them)
+    req = Req("o", other, SamplingParams(max_new_tokens=1))
+    [plan] = disk.plan([req], kv)
+    assert [(x.offset, x.window) for x in plan.loads] == [(0, False), (0, True), (0, True)]
+    disk.loaded(kv, [plan], BlocksLoaded(2, loaded=3))
+    kv.check_invariants([])
+    assert kv.tree.windowless_nodes == 1  # block 0 (the first load's; this one's freed)
+    assert len(kv.match_head(other[:-1], 0).slot_ids) == 3 * B
+    assert len(kv.match_head(tokens[:-1], 0).slot_ids) == 5 * B
