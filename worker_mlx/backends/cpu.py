@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.backends import cpu_kernels
+from worker_mlx.backends import cpu_kernels, cpu_linear
 from worker_mlx.backends.base import Backend
 
 logger = logging.getLogger("worker")
@@ -61,10 +61,14 @@ class CpuBackend(Backend):
         if previous_limit > BUFFER_CACHE_BYTES:
             mx.set_cache_limit(previous_limit)
         uninstall_kernels = cpu_kernels.install(model) if self.kernels else None
+        small_rows = []
+        if self.kernels and cpu_linear.agrees_with_stock():
+            small_rows = cpu_linear.install(model)
 
         def undo() -> None:
             if uninstall_kernels is not None:
                 uninstall_kernels()
+            cpu_linear.uninstall(small_rows)
             mx.set_cache_limit(previous_limit)
 
         return undo
