@@ -52,7 +52,9 @@ def small_rows_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
     if block is None:
         return None
     blocks = weight.reshape(n // block, block, k)
-    out = blocks @ x.reshape(rows, k).T  # (n / block, block, rows)
+    # x as a batch of one: a 2-D right operand lets mlx fold the blocks back into one
+    # (n, k) sgemm, the blocked path again
+    out = blocks @ x.reshape(rows, k).T[None]  # (n / block, block, rows)
     return out.reshape(n, rows).T.reshape(*lead, n)
 
 
