@@ -227,9 +227,14 @@ def test_quantized_kv_keeps_the_stock_path(tiny_model):
         assert mx.allclose(got, want, atol=1e-5).item()
 
 
-def test_batched_runner_with_kernels_matches_stock_generation(small_model):
+@pytest.mark.parametrize("spans", [False, True], ids=["whole", "spans"])
+def test_batched_runner_with_kernels_matches_stock_generation(small_model, spans, monkeypatch):
     """Eight requests batched through the ModelRunner with the kernels on (decode rows at
-    batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm."""
+    batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm;
+    `spans`: with the small-matrix size lowered so that these contexts' decode attention
+    goes in spans of keys, as 4k tokens and more of the medium preset's do."""
+    if spans:
+        monkeypatch.setattr(cpu_kernels, "SMALL_MNK", 64 * 2 * 64)
     from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
     from worker_mlx.kv_pool import MlxKVPool
     from worker_mlx.model_probe import probe_kv_layout
