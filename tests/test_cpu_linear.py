@@ -16,7 +16,8 @@ from worker_mlx.backends.cpu_linear import SMALL_MNK, SmallRowsLinear, block_row
 
 
 @pytest.mark.parametrize(
-    "rows,n,k", [(8, 2048, 1024), (8, 1024, 3072), (8, 3072, 1024), (1, 2048, 1024), (8, 768, 256)]
+    "rows,n,k",
+    [(8, 2048, 1024), (8, 1024, 3072), (8, 3072, 1024), (1, 2048, 1024), (4, 1536, 1024)],
 )
 def test_blocks_are_small_and_tile_the_weight(rows, n, k):
     block = block_rows(rows, n, k)
@@ -26,6 +27,7 @@ def test_blocks_are_small_and_tile_the_weight(rows, n, k):
 
 def test_small_or_many_row_products_keep_the_stock_matmul():
     assert block_rows(8, 256, 256) is None  # already small
+    assert block_rows(8, 768, 256) is None  # a weight that stays in the caches
     assert block_rows(512, 2048, 1024) is None  # a prefill
 
 
@@ -62,8 +64,9 @@ def medium_model(model_cache) -> str:
 
 @pytest.mark.parametrize("preset", ["small", "medium"])
 def test_batch_of_eight_through_the_cpu_backend_matches_mlx_lm(preset, model_cache):
-    """Eight rows decoding together: every linear layer of the medium preset (and the MLP
-    of the small one) runs as blocks of rows, compiled, against stock mlx-lm's greedy."""
+    """Eight rows decoding together: every linear layer of the medium preset runs as blocks
+    of rows (the small one's keep the stock matmul), compiled, against stock mlx-lm's
+    greedy."""
     from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
     from common.tiny_model import ensure_tiny_model
     from worker_mlx.kv_pool import MlxKVPool
@@ -80,6 +83,8 @@ def test_batch_of_eight_through_the_cpu_backend_matches_mlx_lm(preset, model_cac
     undo = select().install(model)
     try:
         assert any(type(m) is SmallRowsLinear for _, m in model.named_modules())
+        blocked = block_rows(8, *model.model.layers[0].mlp.down_proj.weight.shape)
+        assert (blocked is not None) == (preset == "medium")
         runner = ModelRunner(model, MlxKVPool(probe_kv_layout(model), 2048), 512)
         slots = iter(range(1, 2049))
         params = SamplingParams(temperature=0, max_new_tokens=steps)

@@ -27,12 +27,16 @@ SMALL_MNK = 100**3
 MAX_ROWS = 16
 # Fewer weight rows per block than this and the calls' overhead outweighs the packing saved
 MIN_BLOCK = 16
+# Weights smaller than this (4 MiB of float32) stay in the caches from step to step, where
+# the blocked sgemm's two threads win: the small preset's 0.75 MiB MLP weights in blocks
+# made its batch-8 step 1.5x slower, the medium preset's 4-12 MiB ones 2x faster.
+MIN_WEIGHT = 1 << 20
 
 
 def block_rows(rows: int, n: int, k: int) -> int | None:
     """Weight rows per block for `rows` input rows of an (n, k) weight: the largest divisor
     of n that keeps a block's sgemm small; None where the stock matmul is the better one."""
-    if rows > MAX_ROWS or rows * n * k <= SMALL_MNK:
+    if rows > MAX_ROWS or rows * n * k <= SMALL_MNK or n * k < MIN_WEIGHT:
         return None
     most = SMALL_MNK // (rows * k)
     block = max((d for d in range(MIN_BLOCK, min(most, n) + 1) if n % d == 0), default=None)
