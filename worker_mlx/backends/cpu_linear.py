@@ -17,6 +17,8 @@ prefill's many rows keep the stock matmul.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -39,17 +41,13 @@ def block_rows(rows: int, n: int, k: int) -> int | None:
     if rows > MAX_ROWS or rows * n * k <= SMALL_MNK or n * k < MIN_WEIGHT:
         return None
     most = SMALL_MNK // (rows * k)
-    block = max((d for d in range(MIN_BLOCK, min(most, n) + 1) if n % d == 0), default=None)
-    return block
+    return max((d for d in range(MIN_BLOCK, min(most, n) + 1) if n % d == 0), default=None)
 
 
 def small_rows_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
     """x @ weight.T as blocks of the weight's rows, or None where it does not pay."""
     *lead, k = x.shape
-    n = weight.shape[0]
-    rows = 1
-    for d in lead:
-        rows *= d
+    n, rows = weight.shape[0], math.prod(lead)
     if weight.dtype != mx.float32 or x.dtype != mx.float32:
         return None
     block = block_rows(rows, n, k)
