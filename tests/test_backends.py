@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import load_model
 from worker_mlx.backends import cpu, cpu_kernels, gpu, select
+from worker_mlx.backends.cpu_linear import SmallRowsLinear
 from worker_mlx.backends.cpu_rope import TableRoPE
 from worker_mlx.kv_pool import MAX_AUTO_SLOTS, KVLayout, pool_size
 
@@ -71,7 +72,9 @@ def test_cpu_install_changes_the_model_and_the_cache_and_undo_restores_them(
     assert module.swiglu is cpu_kernels.swiglu
     assert module.scaled_dot_product_attention is not functions[1]
     assert all(isinstance(layer.self_attn.rope, TableRoPE) for layer in model.model.layers)
+    assert all(type(layer.mlp.down_proj) is SmallRowsLinear for layer in model.model.layers)
     undo()
+    assert all(type(layer.mlp.down_proj) is nn.Linear for layer in model.model.layers)
     assert _cache_limit() == 64 << 20
     assert (module.swiglu, module.scaled_dot_product_attention) == functions
     assert [layer.self_attn.rope for layer in model.model.layers] == ropes
@@ -87,6 +90,7 @@ def test_cpu_install_never_lowers_the_cache_and_without_kernels_leaves_the_model
     undo = select(cpu_kernels=False).install(model)
     assert _cache_limit() == 2 * cpu.BUFFER_CACHE_BYTES
     assert (module.swiglu, module.scaled_dot_product_attention) == functions
+    assert all(type(layer.mlp.down_proj) is nn.Linear for layer in model.model.layers)
     mx.set_cache_limit(64 << 20)
     undo()
     assert _cache_limit() == 2 * cpu.BUFFER_CACHE_BYTES

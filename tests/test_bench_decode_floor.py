@@ -38,3 +38,13 @@ def test_decode_step_against_its_floor(tiny_model, tmp_path, capsys):
     assert rows[1]["floor_s"] > rows[0]["floor_s"]
     assert "step÷floor" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_decode_split_times_weights_and_attention(capsys):
+    from benchmarks import decode_split
+
+    decode_split.main(["--preset", "tiny", "--batch-size", "2", "--context", "40", "300"]
+                      + ["--repeats", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("weights, ") == 2
+    assert "attention at     40 tokens" in out and "attention at    300 tokens" in out

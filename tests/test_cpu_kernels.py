@@ -91,6 +91,24 @@ def test_attention_matches_mlx(heads, kv_heads, mask_kind, q_len, compiled, with
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_long_one_query_attention_in_spans_matches_mlx(with_sinks, compiled):
+    """Past OpenBLAS's small-matrix size the keys and values go in spans: the same
+    attention, masks and sinks included."""
+    k0, k1, k2, k3 = mx.random.split(mx.random.key(4), 4)
+    q = mx.random.normal((2, 8, 1, 128), key=k0)
+    k = mx.random.normal((2, 4, 4100, 128), key=k1)
+    v = mx.random.normal((2, 4, 4100, 128), key=k2)
+    assert len(cpu_kernels._key_spans(4100, 2 * 128)) == 2
+    mask = mx.random.uniform(shape=(2, 1, 1, 4100), key=k3) > 0.2
+    sinks = mx.linspace(-1, 1, 8) if with_sinks else None
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask, sinks=sinks)
+    attend = partial(scaled_dot_product_attention, scale=0.1, mask=mask, sinks=sinks)
+    got = (mx.compile(attend) if compiled else attend)(q, k, v)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
 def test_extend_mask_with_visible_prefix_columns():
     """An extend's mask: rows see their own prefix (one row's is shorter, so its padding
     columns are hidden), then the new tokens causally. Masking starts at the first column
@@ -209,9 +227,14 @@ def test_quantized_kv_keeps_the_stock_path(tiny_model):
         assert mx.allclose(got, want, atol=1e-5).item()
 
 
-def test_batched_runner_with_kernels_matches_stock_generation(small_model):
+@pytest.mark.parametrize("spans", [False, True], ids=["whole", "spans"])
+def test_batched_runner_with_kernels_matches_stock_generation(small_model, spans, monkeypatch):
     """Eight requests batched through the ModelRunner with the kernels on (decode rows at
-    batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm."""
+    batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm;
+    `spans`: with the small-matrix size lowered so that these contexts' decode attention
+    goes in spans of keys, as 4k tokens and more of the medium preset's do."""
+    if spans:
+        monkeypatch.setattr(cpu_kernels, "SMALL_MNK", 64 * 2 * 64)
     from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
     from worker_mlx.kv_pool import MlxKVPool
     from worker_mlx.model_probe import probe_kv_layout

@@ -15,8 +15,8 @@ a Mac running on its CPU gets the CPU profile, and a Linux box with mlx's CUDA b
 - `compile_decode`: whether the batched decode step is traced by `mx.compile` and replayed.
   That code is device-neutral (`decode_step`); which profiles turn it on is measured;
 - `install(model)`: the device's changes to the process and the model (on the CPU a
-  bigger buffer cache, the vectorised exp and the RoPE table), returning a function that
-  undoes all of them.
+  bigger buffer cache, the vectorised exp, the RoPE table and the few-row linear
+  layers), returning a function that undoes all of them.
 
 Backends: `cpu` (cpu.py), `metal` and `cuda` (gpu.py). The one CPU-specific step that is
 not a profile's is the OpenBLAS preload (blas.py): it must happen before mlx is imported,

@@ -6,7 +6,9 @@ Its numbers were measured on x86 Linux (docs/architecture.md, "the CPU fast path
   hundred tokens ran ~1.6x faster than 2,048 at once;
 - the compiled decode step: building and scheduling a hundred small ops cost more than
   computing them (batch 8 at 300 tokens: 8.9 -> 4.9 ms a step on the small model);
-- a 1 GiB buffer cache, the vectorised exp (cpu_kernels) and the RoPE table (cpu_rope).
+- a 1 GiB buffer cache, the vectorised exp (cpu_kernels) and the RoPE table (cpu_rope);
+- few-row linear layers as blocks of weight rows (cpu_linear): a batch-8 step of the
+  medium preset 0.5x as long at short context (docs/performance.md, issue 32).
 
 --max-memory defaults to the memory the OS reports available at start (MemAvailable)
 less a margin for the router, the scheduler and the page cache: 10%, at least 512 MiB.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.backends import cpu_kernels
+from worker_mlx.backends import cpu_kernels, cpu_linear
 from worker_mlx.backends.base import Backend
 
 logger = logging.getLogger("worker")
@@ -40,7 +42,8 @@ BUFFER_CACHE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class CpuBackend(Backend):
-    # the vectorised exp and the RoPE table (off: --disable-cpu-kernels)
+    # the vectorised exp, the RoPE table and the few-row linear layers (off:
+    # --disable-cpu-kernels)
     kernels: bool = True
 
     def max_memory(self) -> int:
@@ -56,15 +59,20 @@ class CpuBackend(Backend):
 
     def install(self, model: nn.Module) -> Callable[[], None]:
         """Raise (never lower) mlx's buffer cache to BUFFER_CACHE_BYTES and, with `kernels`,
-        route the model through cpu_kernels; the undo restores the limit and the model."""
+        route the model through cpu_kernels and cpu_linear; the undo restores the limit and
+        the model."""
         previous_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
         if previous_limit > BUFFER_CACHE_BYTES:
             mx.set_cache_limit(previous_limit)
         uninstall_kernels = cpu_kernels.install(model) if self.kernels else None
+        small_rows = []
+        if self.kernels and cpu_linear.agrees_with_stock():
+            small_rows = cpu_linear.install(model)
 
         def undo() -> None:
             if uninstall_kernels is not None:
                 uninstall_kernels()
+            cpu_linear.uninstall(small_rows)
             mx.set_cache_limit(previous_limit)
 
         return undo
