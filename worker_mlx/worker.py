@@ -92,13 +92,11 @@ def run_worker(
         serve(engine, inbox, None, trace, cache.after_step, probe=probe, disk=disk)
         return
     forward = Fanout(ctx, spec.fanout) if spec is not None else None
-    if disk is not None and forward is not None:
-        disk.forward = forward  # a group's tier tells the ranks when to install a load
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
     if disk is not None:
-        _connect_tier(disk, ctx, endpoints, trace, group=spec is not None)
+        _connect_tier(disk, ctx, endpoints, trace, forward)
     serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard, embedder, disk)
 
 
@@ -173,12 +171,13 @@ def _install_loads(disk, outbox) -> None:
         outbox.send(encode(answer))
 
 
-def _connect_tier(disk, ctx, endpoints: Endpoints, trace: Trace, group: bool) -> None:
-    """The disk tier's own links: loads start as soon as the scheduler sends them and
-    are answered once read (a group's ranks install a load together: rank 0 answers
-    after that, from the serving loop)."""
+def _connect_tier(disk, ctx, endpoints: Endpoints, trace: Trace, forward) -> None:
+    """The disk tier's links: loads start as soon as the scheduler sends them and are
+    answered once read. A group's tier (`forward`: rank 0's Fanout) tells the ranks when
+    to install a load instead, and rank 0 answers after they did, from the serving loop."""
     disk.trace = trace
-    if group:
+    if forward is not None:
+        disk.forward = forward
         return
     disk.answer_from_reader(lambda: _sender(connect_push(ctx, endpoints.scheduler_from_worker)))
     if endpoints.worker_loads:
