@@ -108,6 +108,7 @@ class DiskTier:
         self.window = max((w for w in windows if w is not None), default=0)
         self._state_bytes = token_bytes(states.all()) if states is not None else []
         self.loading = 0  # LoadBatches submitted and not answered yet
+        self.installed = 0  # LoadBatches written into the pool
         self.trace = lambda *event: None  # the worker's Trace (--trace-dir)
         self._connect = None  # see `answer_from_reader`
         self._send = None  # the reader's sender, made on its thread
@@ -135,30 +136,38 @@ class DiskTier:
 
     def save(self, blocks: list[BlockSave]) -> None:
         """Copy the blocks' KV out of the pool now (the MLX thread, after the flush) and
-        queue them for the writer thread."""
+        queue them for the writer thread: one gather per pool part for all the blocks
+        (and the sliding parts of those with a window), one copy of each into numpy; a
+        block's arrays are views of those."""
         if not blocks or not self.store.writable:
             return
-        gathered = []
-        for b in blocks:
-            idx = mx.array(b.slots, dtype=mx.int32)
-            parts = self._parts()
-            gathered.append([p[idx] for p, s in zip(parts, self._sliding) if not s])
-            gathered[-1] += [p[idx] for p, s in zip(parts, self._sliding) if s and b.window]
-            if b.state_slot and self.states is not None:  # the state after its last token
-                gathered[-1] += [a[b.state_slot] for a in self.states.all()]
+        parts, windowed = self._parts(), [b for b in blocks if b.window]
+        every = mx.array([s for b in blocks for s in b.slots], dtype=mx.int32)
+        gathered = [p[every] for p, s in zip(parts, self._sliding) if not s]
+        w = self._sliding.count(True) if windowed else 0
+        if w:
+            idx = mx.array([s for b in windowed for s in b.slots], dtype=mx.int32)
+            gathered += [p[idx] for p, s in zip(parts, self._sliding) if s]
+        for b in blocks:  # the state after its last token
+            if b.state_slot and self.states is not None:
+                gathered += [a[b.state_slot] for a in self.states.all()]
         mx.eval(gathered)
+        raw = [np.array(g.view(mx.uint8)) for g in gathered]
         n = self._sliding.count(False)
-        for b, parts in zip(blocks, gathered):
-            raw = [np.array(p.view(mx.uint8)) for p in parts]
-            kv = {f"p{i}": r for i, r in enumerate(raw[:n])}
+        full, windows, states = raw[:n], raw[n : n + w], iter(raw[n + w :])
+        at, wat = 0, 0
+        for b in blocks:
+            rows = slice(at, at + len(b.slots))
+            at += len(b.slots)
+            kv = {f"p{i}": r[rows] for i, r in enumerate(full)}
             self._queue.put((b.key, b.parent, b.tokens, kv))
             # after its block: a window or a state is only ever read with it
-            w = self._sliding.count(True) if b.window else 0
-            if w:
-                arrays = {f"w{i}": r for i, r in enumerate(raw[n : n + w])}
+            if b.window and w:
+                arrays = {f"w{i}": r[wat : wat + len(b.slots)] for i, r in enumerate(windows)}
+                wat += len(b.slots)
                 self._queue.put((window_key(b.key), b.key, [WINDOW_MARK], arrays))
-            if len(raw) > n + w:
-                arrays = {f"s{i}": r for i, r in enumerate(raw[n + w :])}
+            if b.state_slot and self.states is not None:
+                arrays = {f"s{i}": next(states) for i in range(len(self.states.all()))}
                 self._queue.put((state_key(b.key), b.key, [], arrays))
 
     def _write_loop(self) -> None:
@@ -398,6 +407,7 @@ class DiskTier:
             for load, raws, states in read.blocks:
                 self._check_installed(load, raws, states)
         self.loading -= 1
+        self.installed += 1
         self.trace("installed", read.step)
         return BlocksLoaded(read.step, len(read.blocks))
 

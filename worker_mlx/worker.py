@@ -119,7 +119,7 @@ def serve(
     if disk is not None and outbox is not None:
         poller.register(disk.wake_fd, zmq.POLLIN)  # the reader's: a load is read
     while True:
-        _install_loads(disk, outbox)  # blocks read meanwhile, between steps
+        _install_loads(disk, outbox, engine)  # blocks read meanwhile, between steps
         events = dict(poller.poll(1000))
         if not events:
             if not watch.parent_alive():
@@ -129,7 +129,7 @@ def serve(
         if inbox not in events:
             continue  # the reader woke the loop: its load is installed at the top
         frame = inbox.recv()
-        _install_loads(disk, outbox)  # before any descriptor: it may use loaded slots
+        _install_loads(disk, outbox, engine)  # before any descriptor: it may use them
         try:
             msg = decode(frame, WORKER_INBOX if outbox is not None else RANK_INBOX)
         except ProtocolError as exc:
@@ -162,13 +162,19 @@ def serve(
         after_step()
 
 
-def _install_loads(disk, outbox) -> None:
-    """Write the loads the reader has read into the pool (and answer those it did not)."""
+def _install_loads(disk, outbox, engine) -> None:
+    """Write the loads the reader has read into the pool (and answer those it did not).
+    A finished request's kept buffer (Lookahead) is forgotten: a load may have taken its
+    slots, which the buffer would otherwise be reused for."""
     if disk is None or outbox is None:
         return
+    installed = disk.installed
     for answer in disk.install_ready():
         answer.disk = disk.report()
         outbox.send(encode(answer))
+    lookahead = engine.runner.lookahead
+    if disk.installed != installed and lookahead.bet is not None and not lookahead.has_step:
+        lookahead.invalidate()
 
 
 def _connect_tier(disk, ctx, endpoints: Endpoints, trace: Trace, forward) -> None:
