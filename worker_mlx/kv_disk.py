@@ -34,6 +34,7 @@ import atexit
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -55,6 +56,7 @@ RESCAN_SECONDS = 5.0
 EXIT_DRAIN_SECONDS = 3.0
 MIN_RUN = 8  # consecutive slots a load writes with a slice copy rather than a scatter
 ARENA_KEEP_BYTES = 64 << 20  # a bigger load's arena is not kept for the next
+WRITER_NICE = 10  # the writer thread's nice value, where threads have their own
 ONCE_KEPT = 256  # LoadBatches remembered as come once (see `_arrived`)
 
 
@@ -171,6 +173,7 @@ class DiskTier:
                 self._queue.put((state_key(b.key), b.key, [], arrays))
 
     def _write_loop(self) -> None:
+        _yield_cpu()
         while True:
             if time.monotonic() - self._scanned > RESCAN_SECONDS:
                 self._rescan()
@@ -508,6 +511,18 @@ def _slot_writes(slots: tuple[int, ...]) -> list[tuple[slice | mx.array, slice |
         idx = mx.array(rest, dtype=mx.int32)
         writes.append((mx.array([slots[i] for i in rest], dtype=mx.int32), idx))
     return writes
+
+
+def _yield_cpu() -> None:
+    """The calling thread gives way to the others (Linux: a thread has its own nice
+    value): the writer's serializing and file writes can wait, the MLX thread's steps
+    and the reader's loads should not, and on a 2-core machine they compete."""
+    if sys.platform != "linux":
+        return  # (macOS: PRIO_PROCESS names processes only; the writer runs as it is)
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except OSError:
+        pass
 
 
 def _wake(fd: int) -> None:
