@@ -254,6 +254,8 @@ class Scheduler:
         built and sent), and they no longer wait behind a long prefill's result."""
         if not isinstance(self.in_flight, (PrefillBatch, list)) or self.chunked is not None:
             return None
+        if self.disk is not None and self.disk.saves:
+            return None  # (their ReleaseBatch goes first: next_batch)
         return self._disk_load() if self.waiting else None
 
     def _disk_load(self) -> LoadBatch | None:
