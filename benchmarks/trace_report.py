@@ -5,7 +5,8 @@
 For every request it follows the first token through the processes: router to scheduler,
 waiting and scheduling, scheduler to worker, the worker's step, back to the scheduler,
 the scheduler's output, and back to the router. The stages add up to the router-side
-TTFT. It also prints the worker's step times by kind.
+TTFT. It also prints the disk tier's loads (send, read, answer, admission) and the
+worker's step times by kind.
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ def step_times(events) -> dict[str, list[float]]:
     return out
 
 
+def load_times(events) -> dict[str, list[float]]:
+    """The disk tier's loads in ms (`--kv-disk-dir`): from the scheduler's send to the
+    reader's read, from there to the scheduler's BlocksLoaded, and from that to the
+    extend that admits the load's first request."""
+    marks: dict[str, dict[str, int]] = defaultdict(dict)
+    first: dict[str, str] = {}  # a load's step -> its first request
+    extended: dict[str, int] = {}  # rid -> its first extend's send
+    for ns, process, event, ids in events:
+        if process == "scheduler" and event == "load" and len(ids) > 1:
+            marks[ids[0]]["sent"], first[ids[0]] = ns, ids[1]
+        elif (process, event) in (("worker", "read"), ("scheduler", "loaded")):
+            marks[ids[0]].setdefault(event, ns)
+        elif process == "scheduler" and event == "extend":
+            for rid in ids[1:]:
+                extended.setdefault(rid, ns)
+    out = defaultdict(list)
+    for step, m in marks.items():
+        m["extend"] = extended.get(first.get(step, ""), 0)
+        for name, a, b in (("sent -> read", "sent", "read"), ("read -> loaded", "read",
+                           "loaded"), ("loaded -> extend", "loaded", "extend")):  # fmt: skip
+            if m.get(a) and m.get(b):
+                out[name].append((m[b] - m[a]) / 1e6)
+    return out
+
+
 def report(directory: str) -> str:
     events = read_events(directory)
     timelines = first_token_timelines(events)
@@ -94,6 +120,11 @@ def report(directory: str) -> str:
         rows.append(("TTFT (router side)", [(m["tokens"] - m["submit"]) / 1e6 for m in marks]))
         for name, values in rows:
             lines.append(f"{name:24}{_pct(values, 50):10.2f}{_pct(values, 90):10.2f}")
+    for name, values in load_times(events).items():
+        lines.append(
+            f"disk loads, {name}: {len(values)}, p50 {_pct(values, 50):.2f} ms, "
+            f"p90 {_pct(values, 90):.2f} ms"
+        )
     for kind, values in sorted(step_times(events).items()):
         lines.append(
             f"worker steps, {kind}: {len(values)}, p50 {_pct(values, 50):.2f} ms, "

@@ -19,6 +19,9 @@ class Endpoints:
     router_in: str  # scheduler -> router
     worker_in: str  # scheduler -> worker
     scheduler_from_worker: str  # worker -> scheduler
+    # scheduler -> the worker's disk tier (a copy of each LoadBatch, for its reader
+    # thread to start at once; "": none)
+    worker_loads: str = ""
 
     @classmethod
     def ipc(cls, runtime_dir: str) -> Endpoints:
@@ -30,11 +33,12 @@ class Endpoints:
             path("router.sock"),
             path("worker.sock"),
             path("scheduler-worker.sock"),
+            path("worker-loads.sock"),
         )
 
     @classmethod
     def tcp(cls, host: str = "127.0.0.1") -> Endpoints:
-        ports = free_ports(4, host)
+        ports = free_ports(5, host)
         return cls(*(f"tcp://{host}:{p}" for p in ports))
 
 

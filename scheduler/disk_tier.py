@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from itertools import groupby
 
 from common.cache_salt import stored_namespace
-from common.kv_store.block_keys import block_keys, root_key, state_key, window_key
+from common.kv_store.block_keys import block_key, block_keys, root_key, state_key, window_key
 from common.kv_store.fingerprint import adapter_identity
 from common.messages import BlockLoad, BlockSave, BlocksLoaded, DiskReport
 from scheduler.cache import KVCacheManager
@@ -76,6 +76,10 @@ class DiskIndex:
         self.reports: list[DiskReport] = []  # for the router's metrics
         self.writable = True  # the worker's store writes (else nothing is asked to save)
         self.in_flight = 0  # tokens of LoadBatches not answered yet
+        # per parent key, the tails stored after it by length (see `save_finished`), and
+        # per tail key, its parent
+        self.tails: dict[str, dict[int, str]] = {}
+        self.tail_parents: dict[str, str] = {}
 
     def namespace(self, salt: str | None, lora: int) -> int:
         """The namespace of a request's block keys (`Req.disk_namespace`)."""
@@ -97,7 +101,8 @@ class DiskIndex:
     # ------------------------------------------------------------ saves
 
     def save_finished(self, kv: KVCacheManager, req: Req, tokens: list[int]) -> None:
-        """After `req` released `tokens` into the trie: queue its blocks not on disk."""
+        """After `req` released `tokens` into the trie: queue its blocks not on disk, then
+        its tail (`_save_tail`)."""
         if not self.writable:
             return
         B = self.block_tokens
@@ -127,6 +132,26 @@ class DiskIndex:
                 self.keys.add(state_key(keys[i]))
             if save.window:
                 self.keys.add(window_key(keys[i]))
+        self._save_tail(kv, req, tokens, keys)
+
+    def _save_tail(self, kv: KVCacheManager, req: Req, tokens: list[int], keys) -> None:
+        """Queue the request's tail (the tokens after its last whole block) as a short
+        block of its own, chained to that block: the next turn of a conversation starts
+        with all of `tokens`, and would otherwise recompute up to a block of them. (Not
+        for recurrent or sliding-window models: their blocks carry a state or window
+        entry at whole blocks only.)"""
+        whole = len(keys) * self.block_tokens
+        if len(tokens) == whole or self.states or self.window:
+            return
+        parent = keys[-1] if keys else root_key(req.disk_namespace)
+        tail = block_key(parent, tokens[whole:])
+        slots = kv.tree.match_prefix(tokens, req.namespace).slot_ids
+        if tail in self.keys or len(slots) < len(tokens):
+            return
+        self.saves.append(BlockSave(tail, parent, tokens[whole:], slots[whole:]))
+        self.keys.add(tail)  # one writer per block
+        self.tails.setdefault(parent, {})[len(tokens) - whole] = tail
+        self.tail_parents[tail] = parent
 
     def _block_states(self, kv: KVCacheManager, req: Req, tokens, keys) -> dict[int, int]:
         """Block index -> the trie's snapshot at its end, for the blocks whose state is
@@ -206,20 +231,23 @@ class DiskIndex:
         # (a sliding-window model's, where its window holds KV)
         m = kv.match_head(head, req.namespace)
         pooled = len(m.slot_ids)
-        blocks = []
+        blocks = []  # (index, tokens, key) of each block to load, then of a tail
         for k in range(pooled // B, len(keys)):
             if keys[k] not in self.keys:
                 break
-            blocks.append(k)
+            blocks.append((k, B, keys[k]))
         # resumable only where a state was stored, and the window before is: cut back
-        while blocks and not self._resumable(keys, blocks[-1], pooled):
+        while blocks and not self._resumable(keys, blocks[-1][0], pooled):
             blocks.pop()
-        if any(keys[k] in taken for k in blocks):
+        if not (self.states or self.window):  # then a stored tail, if one continues it
+            k = blocks[-1][0] + 1 if blocks else pooled // B
+            blocks += self._tail(head, keys, k, pooled, req.disk_namespace)
+        if any(key in taken for _, _, key in blocks):
             return None  # another prompt of this round loads them
         if not blocks:
             req.disk_checked = True
             return None
-        end = (blocks[-1] + 1) * B
+        end = blocks[-1][0] * B + blocks[-1][1]
         need = end - pooled
         if need > budget or kv.budget() < len(req.fill_ids) - pooled + reserve:
             return None
@@ -234,13 +262,13 @@ class DiskIndex:
             return None
         req.disk_checked = True
         loads, at = [], 0
-        for k in blocks:
+        for k, n, key in blocks:
             offset = max(pooled - k * B, 0)
-            window = bool(self.window) and window_key(keys[k]) in self.keys
-            loads.append(BlockLoad(keys[k], offset, slots[at : at + B - offset], window=window))
-            at += B - offset
+            window = bool(self.window) and window_key(key) in self.keys
+            loads.append(BlockLoad(key, offset, slots[at : at + n - offset], window=window))
+            at += n - offset
         loads[-1].state_slot = state
-        taken.update(keys[k] for k in blocks)
+        taken.update(key for _, _, key in blocks)
         return PlannedLoad(req, head[:end], m.slot_ids, loads)
 
     def _resumable(self, keys: list[str], k: int, pooled: int) -> bool:
@@ -252,6 +280,29 @@ class DiskIndex:
         end = (k + 1) * self.block_tokens
         first = max(end - self.window, pooled) // self.block_tokens
         return not self.window or all(window_key(keys[j]) in self.keys for j in range(first, k + 1))
+
+    def _tail(self, head: list[int], keys: list[str], k: int, pooled: int, namespace: int):
+        """The longest stored tail that continues `head` at block `k` past the pool's
+        `pooled` tokens, as [(k, its tokens, its key)], or []."""
+        B = self.block_tokens
+        parent = keys[k - 1] if k else root_key(namespace)
+        for n, stored in sorted(self.tails.get(parent, {}).items(), reverse=True):
+            if pooled < k * B + n <= len(head):
+                key = block_key(parent, head[k * B : k * B + n])
+                if key == stored and key in self.keys:
+                    return [(k, n, key)]
+        return []
+
+    def _forget(self, keys) -> None:
+        """Keys no longer on disk (dropped, or refused at a load)."""
+        self.keys.difference_update(keys)
+        for key in keys:
+            parent = self.tail_parents.pop(key, None)
+            if parent is not None:
+                tails = self.tails[parent]
+                del tails[next(n for n, k in tails.items() if k == key)]
+                if not tails:
+                    del self.tails[parent]
 
     def loaded(self, kv: KVCacheManager, planned: list[PlannedLoad], answer) -> None:
         """The worker's answer (BlocksLoaded, or a WorkerError: nothing loaded): loaded
@@ -266,7 +317,7 @@ class DiskIndex:
             kv.allocator.free([s for x in plan.loads[n:] for s in x.slots])
             if refused and n < len(plan.loads):
                 bad = plan.loads[n].key  # missing or damaged (or its state): not asked again
-                self.keys.difference_update((bad, state_key(bad), window_key(bad)))
+                self._forget((bad, state_key(bad), window_key(bad)))
                 refused = False
             state = plan.loads[-1].state_slot  # read with the last block, else unused
             if state and n < len(plan.loads):
@@ -309,7 +360,7 @@ class DiskIndex:
     def on_report(self, report: DiskReport | None) -> None:
         if report is None:
             return
-        self.keys.difference_update(report.dropped)
+        self._forget(report.dropped)
         self.keys.update(report.added)
         self.writable = report.writable
         self.reports.append(report)

@@ -58,6 +58,10 @@ class SchedulerProcess:
         self.from_router = bind_pull(self.ctx, endpoints.scheduler_in)
         self.from_worker = bind_pull(self.ctx, endpoints.scheduler_from_worker)
         self.to_worker = connect_push(self.ctx, endpoints.worker_in)
+        # each LoadBatch also goes here: the worker's reader starts it during a step
+        self.to_loads = (
+            connect_push(self.ctx, endpoints.worker_loads) if endpoints.worker_loads else None
+        )
         self.to_router = connect_push(self.ctx, endpoints.router_in)
         self.poller = zmq.Poller()
         self.poller.register(self.from_router, zmq.POLLIN)
@@ -94,8 +98,7 @@ class SchedulerProcess:
                 continue
             batch = sched.next_batch()
             if batch is not None:
-                self._trace_batch(batch)  # before the send: the worker may log first
-                self.to_worker.send(encode(batch))
+                self._send(batch)
             self._send_outputs()  # errors and stats; tokens went out as they came
             if batch is not None and not isinstance(batch, (ReleaseBatch, LoadBatch)):
                 sched.on_result(self._wait_result(batch))
@@ -160,6 +163,8 @@ class SchedulerProcess:
             sys.exit(0)
         if self.from_router in events:
             self._drain_router()
+            if want_worker and self.sched is not None:
+                self._load_during_step()
         if self.from_worker in events:
             frame = self.from_worker.recv()
             try:
@@ -168,12 +173,34 @@ class SchedulerProcess:
                 logger.error("bad frame from worker: %s", exc)
                 msg = WorkerError(step=-1, message=f"undecodable reply from the worker: {exc}")
             if isinstance(msg, BlocksLoaded) and self.sched is not None:
+                self.trace("loaded", msg.step)
                 self.sched.on_loaded(msg)  # answered whenever read, not as a step's result
                 return None
             if want_worker:
                 return msg
             logger.warning("dropping %s from the worker: no step in flight", type(msg).__name__)
         return None
+
+    def _load_during_step(self) -> None:
+        """Prefetch for prompts that came while a step is in flight (see
+        `Scheduler.load_during_step`): the LoadBatch goes out now, behind that step."""
+        load = self.sched.load_during_step()
+        if load is not None:
+            self._send(load)
+
+    def _send(self, batch) -> None:
+        """A batch to the worker; a LoadBatch also to its disk tier's own socket, where
+        the reader thread starts it even while the worker's MLX thread is in a step (the
+        copy through the worker's inbox keeps its place among the steps: the worker
+        installs what was read only after it came, after the releases before it)."""
+        self._trace_batch(batch)  # before the send: the worker may log first
+        frame = encode(batch)
+        self.to_worker.send(frame)
+        if isinstance(batch, LoadBatch) and self.to_loads is not None:
+            try:  # (a worker that does not listen there, e.g. a group's: dropped at the HWM)
+                self.to_loads.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def _drain_router(self) -> None:
         while True:
@@ -204,6 +231,8 @@ class SchedulerProcess:
             self.trace("extend", batch.step, *(r.rid for r in batch.reqs))
         elif isinstance(batch, DecodeBatch):
             self.trace("decode", batch.step, *batch.rids)
+        elif isinstance(batch, LoadBatch):
+            self.trace("load", batch.step, *(p.req.rid for p in self.sched.loading[batch.step]))
         elif isinstance(batch, EmbedBatch):
             self.trace("embed", batch.step, *dict.fromkeys(r.rid for r in batch.rows))
 

@@ -247,14 +247,27 @@ class Scheduler:
         self.last_was_embed = True
         return batch
 
+    def load_during_step(self) -> LoadBatch | None:
+        """While a prefill or decode step is in flight: the loads of prompts that came
+        meanwhile, to send at once. The worker then starts reading them as soon as that
+        step ends, not one scheduling round later (its result back here, this batch
+        built and sent), and they no longer wait behind a long prefill's result."""
+        if not isinstance(self.in_flight, (PrefillBatch, list)) or self.chunked is not None:
+            return None
+        if self.disk is not None and self.disk.saves:
+            return None  # (their ReleaseBatch goes first: next_batch)
+        return self._disk_load() if self.waiting else None
+
     def _disk_load(self) -> LoadBatch | None:
         """Blocks of waiting prompts to bring back from the disk tier before they are
         admitted (their match then runs through them)."""
         if self.disk is None:
             return None
-        # a chunked prefill's next chunks were counted on; each running request needs a
-        # slot at its next decode step: a load leaves room for them
-        planned = self.disk.plan(self.waiting, self.kv, reserve=len(self.running))
+        # a chunked prefill's next chunks were counted on; each running request (and each
+        # one a prefill in flight adds) needs a slot at its next decode step: a load
+        # leaves room for them
+        joining = len(self.in_flight.reqs) if isinstance(self.in_flight, PrefillBatch) else 0
+        planned = self.disk.plan(self.waiting, self.kv, reserve=len(self.running) + joining)
         if not planned:
             return None
         self.step += 1

@@ -5,7 +5,7 @@ only some, and forgets refused and dropped keys."""
 
 from __future__ import annotations
 
-from common.kv_store.block_keys import block_keys, root_key, state_key
+from common.kv_store.block_keys import block_key, block_keys, root_key, state_key
 from common.messages import BlocksLoaded, DiskReport, SamplingParams, WorkerError
 from scheduler.cache import KVCacheManager
 from scheduler.disk_tier import DiskIndex
@@ -33,12 +33,44 @@ def test_finished_blocks_are_named_with_the_trie_slots_once():
     saves, touched = disk.take_saves()
     assert touched == []
     keys = block_keys(tokens, 0, B)
-    assert [s.key for s in saves] == keys
+    tail = block_key(keys[1], tokens[2 * B :])  # the 4 tokens after them: a short block
+    assert [s.key for s in saves] == [*keys, tail]
     assert saves[0].parent == root_key(0) and saves[1].parent == keys[0]
     assert saves[1].tokens == tokens[B : 2 * B]
-    assert saves[0].slots + saves[1].slots == kv.tree.match_prefix(tokens).slot_ids[: 2 * B]
-    _finished(kv, disk, "b", tokens + [7])  # the same blocks: not asked again, touched
+    assert (saves[2].parent, saves[2].tokens) == (keys[1], tokens[2 * B :])
+    assert sum((x.slots for x in saves), []) == kv.tree.match_prefix(tokens).slot_ids
+    _finished(kv, disk, "b", tokens)  # the same blocks and tail: not asked again, touched
     assert disk.take_saves() == ([], keys)
+    _finished(kv, disk, "c", tokens + [7])  # the same blocks, a longer tail: only it
+    saves, touched = disk.take_saves()
+    assert [(s.key, s.tokens) for s in saves] == [(block_key(keys[1], tokens[2 * B :] + [7]),
+                                                   tokens[2 * B :] + [7])]  # fmt: skip
+    assert touched == keys
+
+
+def test_a_tail_continues_the_next_turn_and_is_forgotten_when_dropped():
+    kv, disk = KVCacheManager(64, 4, False, debug=True), DiskIndex([], B)
+    turn1 = list(range(500, 519))  # two whole blocks and a 3-token tail
+    _finished(kv, disk, "a", turn1)
+    disk.take_saves()
+    kv.tree.evict(64)  # the pool forgets it: the next turn comes from disk
+    turn2 = turn1 + [1, 2, 3, 4, 5, 6, 7]
+    req = Req("r", turn2, SamplingParams(max_new_tokens=4))
+    [plan] = disk.plan([req], kv)
+    keys = block_keys(turn1, 0, B)
+    tail = block_key(keys[1], turn1[2 * B :])
+    assert [(x.key, x.offset, len(x.slots)) for x in plan.loads] == [
+        (keys[0], 0, B), (keys[1], 0, B), (tail, 0, 3),
+    ]  # fmt: skip
+    disk.loaded(kv, [plan], BlocksLoaded(1, loaded=3))
+    _check(kv)
+    assert len(kv.tree.match_prefix(turn2).slot_ids) == len(turn1) and req.disk_tokens == 19
+    disk.on_report(DiskReport(0, 0, dropped=[tail]))
+    assert disk.tails == {} and disk.tail_parents == {}
+    again = Req("s", turn2, SamplingParams(max_new_tokens=4))
+    kv.tree.evict(64)
+    [plan] = disk.plan([again], kv)
+    assert [x.key for x in plan.loads] == keys  # whole blocks only now
 
 
 def test_load_after_a_partial_pool_match_and_a_refused_block():

@@ -86,6 +86,14 @@ def turns(tiny_model, tmp_path_factory):
         log = server.log()
         assert f"#disk-cached-token: {5 * BLOCK}" in log
         assert "Traceback" not in log and "slots lost" not in log
+        # the next turn, evicted again: p's blocks and then its tail (its last 4 tokens
+        # and the answer, a short block) come from disk, all but the answer's last token
+        for seed in range(20, 23):
+            _complete(server, _prompt(seed, POOL - 40), 8)
+        next_turn = p + out_p + _prompt(5, 8)
+        out, cached = _complete(server, next_turn)
+        assert out == mlx_greedy(tiny_model, next_turn, NEW)
+        assert cached == len(p) + NEW - 1
         _wait_saved(kv_dir, q + out_q[:-1])
     finally:
         assert server.stop() == 0

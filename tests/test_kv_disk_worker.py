@@ -68,6 +68,25 @@ def test_saved_block_loads_back_bit_for_bit(tmp_path, dtype):
     assert report.blocks == 1 and len(report.read_seconds) == 2 and len(report.write_seconds) == 1
 
 
+def test_a_tail_and_blocks_load_in_one_batch_into_scattered_slots(tmp_path):
+    """A request's tail (a block of fewer tokens) loads after a whole block in one
+    LoadBatch, into slots that run in part (a slice copy) and in part not (a scatter);
+    --debug-invariants reads every installed token back."""
+    pool = _pool("int8")
+    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B, verify=True)
+    tokens = list(range(70, 70 + B + 3))
+    key = block_key(root_key(0), tokens[:B])
+    tail = block_key(key, tokens[B:])
+    tier.save([BlockSave(key, root_key(0), tokens[:B], list(range(1, B + 1))),
+               BlockSave(tail, key, tokens[B:], [1, 2, 3])])  # fmt: skip
+    tier.drain()
+    slots = [*range(20, 20 + B), 40, 45, 50]
+    tier.submit(7, [BlockLoad(key, 0, slots[:B]), BlockLoad(tail, 1, slots[B + 1 :])])
+    assert _answers(tier)[0].loaded == 2
+    for a, b in zip(_stored(pool, [*range(1, B + 1), 2, 3]), _stored(pool, [*slots[:B], 45, 50])):
+        assert np.array_equal(a, b)
+
+
 class SlowStore(FileBlockStore):
     """A disk that takes half a second per read."""
 

@@ -170,3 +170,33 @@ def test_an_adapters_namespace_follows_its_files_not_its_place(tmp_path):
     assert x == y and x != z and 0 not in (x, z)
     assert stored_namespace(None, "") == 0 and stored_namespace("s", "") == salt_namespace("s")
     assert stored_namespace("s", adapter_identity(dirs[0])) not in (x, salt_namespace("s"))
+
+
+def test_a_block_written_with_the_older_blake2b_checksum_still_reads(tmp_path):
+    """Block files from before the XXH3 checksum (an unprefixed blake2b one) are served
+    after an upgrade, and a flipped byte in one is still refused."""
+    import hashlib
+    import json
+
+    from safetensors.numpy import save
+
+    store = FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    key, tokens, arrays = _block(5)
+    meta = {"key": key, "parent": root_key(0), "tokens": json.dumps(tokens), "fingerprint": "fp1"}
+    digest = hashlib.blake2b(digest_size=16)
+    for name in ("key", "parent", "tokens", "fingerprint"):
+        digest.update(f"{name}={meta[name]}\0".encode())
+    for name in sorted(arrays):
+        digest.update(f"{name}:{arrays[name].dtype.str}:{arrays[name].shape}\0".encode())
+        digest.update(arrays[name].tobytes())
+    path = _file(store, key)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(save(arrays, metadata={**meta, "checksum": digest.hexdigest()}))
+    store = FileBlockStore(tmp_path, "fp1", budget=1 << 20)
+    assert np.array_equal(store.get(key).arrays["l0.p0"], arrays["l0.p0"])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(BlockError) as err:
+        store.get(key)
+    assert err.value.reason == "checksum"

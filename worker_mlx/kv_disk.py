@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -51,6 +54,22 @@ logger = logging.getLogger(__name__)
 # how often the writer looks for blocks other servers wrote and saves the LRU order
 RESCAN_SECONDS = 5.0
 EXIT_DRAIN_SECONDS = 3.0
+MIN_RUN = 8  # consecutive slots a load writes with a slice copy rather than a scatter
+ARENA_KEEP_BYTES = 64 << 20  # a bigger load's arena is not kept for the next
+WRITER_NICE = 10  # the writer thread's nice value, where threads have their own
+ONCE_KEPT = 256  # LoadBatches remembered as come once (see `_arrived`)
+
+
+@dataclass
+class ReadLoad:
+    """A LoadBatch as the reader thread hands it to the MLX thread."""
+
+    step: int
+    blocks: list[tuple[BlockLoad, list[np.ndarray], list[np.ndarray]]]  # raw parts, state
+    # per pool part, the slots it writes (block after block) and those tokens' bytes
+    parts: list[tuple[tuple[int, ...], np.ndarray | None]]
+    arena: np.ndarray  # the memory `parts` are in, kept for the next load once installed
+    answered: bool = False  # by the reader thread (`DiskTier.answer_from_reader`)
 
 
 def token_bytes(arrays: list[mx.array]) -> list[int]:
@@ -73,6 +92,7 @@ class DiskTier:
         self.states = states
         self.verify = verify  # --debug-invariants: installed blocks are read back
         self._lock = threading.Lock()
+        self._report_lock = threading.Lock()
         self._errors: Counter[str] = Counter()
         self._reads: list[float] = []
         self._writes: list[float] = []
@@ -90,9 +110,24 @@ class DiskTier:
         self.window = max((w for w in windows if w is not None), default=0)
         self._state_bytes = token_bytes(states.all()) if states is not None else []
         self.loading = 0  # LoadBatches submitted and not answered yet
+        self.installed = 0  # LoadBatches written into the pool
+        self.trace = lambda *event: None  # the worker's Trace (--trace-dir)
+        self._connect = None  # see `answer_from_reader`
+        self._send = None  # the reader's sender, made on its thread
+        self._both = False  # LoadBatches come twice (`receive_loads`)
+        self._once: set[int] = set()  # steps of LoadBatches of which one copy came
+        self._last_committed = -1
+        self._committed: set[int] = set()  # steps submitted through the inbox
+        self._landed: dict[int, ReadLoad] = {}  # read, waiting for `submit` (MLX thread)
+        self._arenas: list[np.ndarray] = []  # see `_assemble`
         self._queue: queue.Queue = queue.Queue()
         self._reads_queue: queue.Queue = queue.Queue()
         self._read_done: queue.Queue = queue.Queue()
+        # the reader wakes the worker's loop through this pipe (`wake_fd`, in its poller)
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self.wake_fd = self._wake_read
         threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True).start()
         threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True).start()
         # a stopped worker (the router's STOP_SIGNAL exits) writes what it queued first,
@@ -103,33 +138,42 @@ class DiskTier:
 
     def save(self, blocks: list[BlockSave]) -> None:
         """Copy the blocks' KV out of the pool now (the MLX thread, after the flush) and
-        queue them for the writer thread."""
+        queue them for the writer thread: one gather per pool part for all the blocks
+        (and the sliding parts of those with a window), one copy of each into numpy; a
+        block's arrays are views of those."""
         if not blocks or not self.store.writable:
             return
-        gathered = []
-        for b in blocks:
-            idx = mx.array(b.slots, dtype=mx.int32)
-            parts = self._parts()
-            gathered.append([p[idx] for p, s in zip(parts, self._sliding) if not s])
-            gathered[-1] += [p[idx] for p, s in zip(parts, self._sliding) if s and b.window]
-            if b.state_slot and self.states is not None:  # the state after its last token
-                gathered[-1] += [a[b.state_slot] for a in self.states.all()]
+        parts, windowed = self._parts(), [b for b in blocks if b.window]
+        every = mx.array([s for b in blocks for s in b.slots], dtype=mx.int32)
+        gathered = [p[every] for p, s in zip(parts, self._sliding) if not s]
+        w = self._sliding.count(True) if windowed else 0
+        if w:
+            idx = mx.array([s for b in windowed for s in b.slots], dtype=mx.int32)
+            gathered += [p[idx] for p, s in zip(parts, self._sliding) if s]
+        for b in blocks:  # the state after its last token
+            if b.state_slot and self.states is not None:
+                gathered += [a[b.state_slot] for a in self.states.all()]
         mx.eval(gathered)
+        raw = [np.array(g.view(mx.uint8)) for g in gathered]
         n = self._sliding.count(False)
-        for b, parts in zip(blocks, gathered):
-            raw = [np.array(p.view(mx.uint8)) for p in parts]
-            kv = {f"p{i}": r for i, r in enumerate(raw[:n])}
+        full, windows, states = raw[:n], raw[n : n + w], iter(raw[n + w :])
+        at, wat = 0, 0
+        for b in blocks:
+            rows = slice(at, at + len(b.slots))
+            at += len(b.slots)
+            kv = {f"p{i}": r[rows] for i, r in enumerate(full)}
             self._queue.put((b.key, b.parent, b.tokens, kv))
             # after its block: a window or a state is only ever read with it
-            w = self._sliding.count(True) if b.window else 0
-            if w:
-                arrays = {f"w{i}": r for i, r in enumerate(raw[n : n + w])}
+            if b.window and w:
+                arrays = {f"w{i}": r[wat : wat + len(b.slots)] for i, r in enumerate(windows)}
+                wat += len(b.slots)
                 self._queue.put((window_key(b.key), b.key, [WINDOW_MARK], arrays))
-            if len(raw) > n + w:
-                arrays = {f"s{i}": r for i, r in enumerate(raw[n + w :])}
+            if b.state_slot and self.states is not None:
+                arrays = {f"s{i}": next(states) for i in range(len(self.states.all()))}
                 self._queue.put((state_key(b.key), b.key, [], arrays))
 
     def _write_loop(self) -> None:
+        _yield_cpu()
         while True:
             if time.monotonic() - self._scanned > RESCAN_SECONDS:
                 self._rescan()
@@ -176,9 +220,52 @@ class DiskTier:
     # ------------------------------------------------------------ load
 
     def submit(self, step: int, loads: list[BlockLoad]) -> None:
-        """Queue a LoadBatch's blocks for the reader thread; `install_ready` writes them
-        into the pool once read (the MLX thread goes on with its steps meanwhile)."""
+        """A LoadBatch through the worker's inbox (the MLX thread, after the releases
+        before it): queue its blocks for the reader thread unless its copy through
+        `receive_loads` came first; `install_ready` writes them into the pool once read
+        (the MLX thread goes on with its steps meanwhile)."""
         self.loading += 1
+        self._committed.add(step)  # from now on what is read may be written to the pool
+        self._arrived(step, loads, committed=True)
+
+    def receive_loads(self, connect) -> None:
+        """Take each LoadBatch's copy from the scheduler's socket for the tier as well
+        (`connect()`, called on a thread of its own, gives the receive call: the next
+        LoadBatch, or None) and start reading it at once: the MLX thread may be in a step,
+        after which its copy through the inbox comes. What is read is written to the
+        pool only once that copy came (`submit`)."""
+        self._both = True
+        threading.Thread(
+            target=self._receive_loop, args=(connect,), name="kv-disk-loads", daemon=True
+        ).start()
+
+    def _receive_loop(self, connect) -> None:
+        receive = connect()
+        while True:
+            try:
+                msg = receive()
+            except Exception:  # a bad frame: its copy through the inbox still comes
+                logger.exception("kv disk: a load's copy could not be read")
+                continue
+            if msg is not None:
+                self._arrived(msg.step, msg.loads, committed=False)
+
+    def _arrived(self, step: int, loads: list[BlockLoad], committed: bool) -> None:
+        """A LoadBatch's first copy is read; with `receive_loads`, each comes twice.
+        (Steps grow: a copy through the tier's socket older than the last through the
+        inbox was sent to a worker before this one, or its twin came first.)"""
+        with self._lock:
+            if committed:
+                self._last_committed = max(self._last_committed, step)
+            if self._both:
+                if step in self._once:
+                    self._once.remove(step)
+                    return
+                if not committed and step <= self._last_committed:
+                    return
+                self._once.add(step)
+                if len(self._once) > ONCE_KEPT:  # twins the scheduler could not send
+                    self._once = {s for s in self._once if s > self._last_committed}
         self._reads_queue.put((step, loads))
 
     def _read_loop(self) -> None:
@@ -188,7 +275,7 @@ class DiskTier:
             try:
                 for load in loads:  # in order, up to the first that cannot be served
                     started = time.perf_counter()
-                    blocks.append((load, self._read(load)))
+                    blocks.append((load, *self._read(load)))
                     with self._lock:
                         self._reads.append(time.perf_counter() - started)
             except BlockError as exc:
@@ -199,14 +286,68 @@ class DiskTier:
                 logger.exception("kv disk: reading blocks failed")
                 with self._lock:
                     self._errors["missing"] += 1
-            self._read_done.put((step, blocks))
+            read = self._assemble(step, blocks)
+            read.answered = self._connect is not None
+            self._read_done.put(read)  # before the answer: see `answer_from_reader`
+            self.trace("read", step)
+            _wake(self._wake_write)
+            if read.answered:
+                self._answer(read)
+
+    def answer_from_reader(self, connect) -> None:
+        """Answer each LoadBatch from the reader thread as soon as it is read, with the
+        sender `connect()` returns (called once, on that thread: a socket of its own),
+        instead of from the MLX thread once installed. The scheduler can then admit the
+        prompt while the worker is still in a step; the install, a copy, happens before
+        the worker runs anything after that step (`install_ready` before each descriptor:
+        the scheduler's next one comes after this answer, and the load's queued first)."""
+        self._connect = connect
+
+    def _answer(self, read: ReadLoad) -> None:
+        if self._send is None:
+            self._send = self._connect()
+        answer = BlocksLoaded(read.step, len(read.blocks))
+        answer.disk = self.report()
+        self._send(answer)
+
+    def _assemble(self, step: int, blocks: list) -> ReadLoad:
+        """Per pool part, the blocks' tokens (from each load's offset) laid end to end,
+        here on the reader thread, so the MLX thread writes a load with a few copies per
+        part, not one per block and layer. (A block's part read as None is left out: its
+        slots keep what they hold.) They go into an arena the last install gave back:
+        fresh memory costs more in page faults than the copy itself."""
+        plan, slots_of = [], {}  # the parts' rows come from the same blocks: slots once
+        for i, n in enumerate(self._part_bytes):
+            rows = [(load, raws[i]) for load, raws, _ in blocks if raws[i] is not None]
+            which = tuple(id(load) for load, _ in rows)
+            if which not in slots_of:
+                slots_of[which] = tuple(s for load, _ in rows for s in load.slots)
+            plan.append((n, rows, slots_of[which]))
+        arena = self._arena(sum(n * len(slots) for n, _, slots in plan))
+        parts, at = [], 0
+        for n, rows, slots in plan:
+            out = arena[at : at + n * len(slots)].reshape(len(slots), n)
+            row = 0
+            for load, raw in rows:
+                piece = raw.reshape(-1, n)[load.offset :]
+                out[row : row + len(piece)] = piece
+                row += len(piece)
+            parts.append((slots, out if rows else None))
+            at += out.size
+        return ReadLoad(step, blocks, parts, arena)
+
+    def _arena(self, size: int) -> np.ndarray:
+        with self._lock:
+            if self._arenas and self._arenas[-1].size >= size:
+                return self._arenas.pop()
+        return np.empty(max(size, 1 << 20), np.uint8)
 
     def _read(self, load: BlockLoad) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The block's raw parts and (`load.state_slot`) the state stored after it,
         checked against this pool's layout (the reader thread: no MLX here)."""
         block = self.store.get(load.key)
-        B = self.block_tokens
-        if len(block.tokens) != B or len(load.slots) + load.offset != B:
+        B = len(block.tokens)  # a request's tail is a block of fewer tokens
+        if not 0 < B <= self.block_tokens or len(load.slots) + load.offset != B:
             raise BlockError("foreign", f"block {load.key}: not a block of this server's size")
         sizes = [B * n for n, s in zip(self._part_bytes, self._sliding) if not s]
         raws = _raw_arrays(block.arrays, "p", sizes)
@@ -238,48 +379,68 @@ class DiskTier:
         return [next(windows, None) if s else next(full) for s in self._sliding]
 
     def install_ready(self) -> list[BlocksLoaded]:
-        """Write the blocks the reader has read into their slots (the MLX thread, between
-        steps: a copy, no file I/O) and answer their LoadBatches."""
-        answers = []
+        """Write the loads the reader has read, and whose LoadBatch came through the
+        inbox, into their slots (the MLX thread, between steps: a copy, no file I/O) and
+        answer those the reader did not."""
+        _drain(self._wake_read)  # before the queue: a later read wakes the loop again
         while True:
             try:
-                step, blocks = self._read_done.get_nowait()
+                read = self._read_done.get_nowait()
             except queue.Empty:
-                return answers
-            answers.append(self._install_read(step, blocks))
+                break
+            self._landed[read.step] = read
+        answers = []
+        for step in sorted(self._landed.keys() & self._committed):
+            read = self._landed.pop(step)
+            answer = self._install_read(read)
+            if not read.answered:
+                answers.append(answer)
+        return answers
 
-    def _install_read(self, step: int, blocks: list) -> BlocksLoaded:
+    def _install_read(self, read: ReadLoad) -> BlocksLoaded:
         """One LoadBatch's blocks the reader read, into the pool."""
-        for load, (raws, states) in blocks:
-            self._install(load, raws, states)
+        self._committed.discard(read.step)
+        self._install(read)
         mx.eval([a for pool in self.pools for a in pool.arrays()])
         mx.eval(self.states.all() if self.states else [])
+        with self._lock:  # copied into the pool: the biggest arena serves the next load
+            kept = [a for a in (*self._arenas, read.arena) if a.size <= ARENA_KEEP_BYTES]
+            self._arenas = sorted(kept, key=len)[-1:]
         if self.verify:
-            for load, (raws, states) in blocks:
+            for load, raws, states in read.blocks:
                 self._check_installed(load, raws, states)
         self.loading -= 1
-        return BlocksLoaded(step, len(blocks))
+        self.installed += 1
+        self.trace("installed", read.step)
+        return BlocksLoaded(read.step, len(read.blocks))
 
     def known_keys(self) -> list[str]:
         """The blocks the scheduler may match at start-up."""
         return self.store.keys()
 
-    def _install(self, load: BlockLoad, raws: list[np.ndarray], states: list[np.ndarray]):
-        """A block's tokens from `load.offset` on into `load.slots` (and its state)."""
-        idx = mx.array(load.slots, dtype=mx.int32)
-        parts = [
-            None  # a sliding layer's KV the block was loaded without: its slots stay as is
-            if raw is None
-            else mx.array(raw).view(p.dtype).reshape(self.block_tokens, *p.shape[1:])[load.offset :]
-            for raw, p in zip(raws, self._parts())
-        ]
+    def _install(self, read: ReadLoad) -> None:
+        """A load's tokens into their slots (and the states): a slice copy per part for
+        each run of consecutive slots, a scatter (several times slower per token on the
+        CPU) for the rest."""
+        writes: dict[tuple[int, ...], list] = {}  # slots -> their (pool rows, load rows)
+        parts = iter(read.parts)
         for pool in self.pools:
             for layer, stored in enumerate(pool.parts):
-                if parts[0] is not None:
-                    pool.write_parts(layer, idx, parts[: len(stored)])
-                parts = parts[len(stored) :]
-        for raw, a in zip(states, self.states.all() if states else []):
-            a[load.state_slot] = mx.array(raw).view(a.dtype).reshape(a.shape[1:])
+                mine = [next(parts) for _ in stored]  # K's and V's: the same slots
+                slots = mine[0][0]
+                if not slots:
+                    continue
+                values = [
+                    mx.array(raw).view(p.dtype).reshape(len(slots), *p.shape[1:])
+                    for (_, raw), p in zip(mine, stored)
+                ]
+                if slots not in writes:
+                    writes[slots] = _slot_writes(slots)
+                for target, source in writes[slots]:
+                    pool.write_parts(layer, target, [v[source] for v in values])
+        for load, _, states in read.blocks:
+            for raw, a in zip(states, self.states.all() if states else []):
+                a[load.state_slot] = mx.array(raw).view(a.dtype).reshape(a.shape[1:])
 
     def _check_installed(self, load: BlockLoad, raws, states) -> None:
         """--debug-invariants: the pool now holds exactly the verified bytes."""
@@ -301,7 +462,12 @@ class DiskTier:
     # ------------------------------------------------------------ report
 
     def report(self) -> DiskReport | None:
-        """What changed since the last report (None: nothing)."""
+        """What changed since the last report (None: nothing). Both the MLX thread and
+        the reader (its answers) report: one at a time."""
+        with self._report_lock:
+            return self._report()
+
+    def _report(self) -> DiskReport | None:
         usage = self.store.usage()
         dropped = self.store.take_dropped()
         with self._lock:
@@ -326,3 +492,54 @@ def _raw_arrays(arrays: dict[str, np.ndarray], prefix: str, sizes: list[int]):
     if len(arrays) != len(sizes) or any(r is None or r.size != n for r, n in zip(raws, sizes)):
         return None
     return [r.reshape(-1) for r in raws]
+
+
+def _slot_writes(slots: tuple[int, ...]) -> list[tuple[slice | mx.array, slice | mx.array]]:
+    """(pool rows, load rows) pairs that write a load's tokens into `slots`: a slice per
+    run of at least MIN_RUN consecutive slots, then one index array for the rest."""
+    writes, rest, at = [], [], 0
+    while at < len(slots):
+        end = at + 1
+        while end < len(slots) and slots[end] == slots[end - 1] + 1:
+            end += 1
+        if end - at >= MIN_RUN:
+            writes.append((slice(slots[at], slots[end - 1] + 1), slice(at, end)))
+        else:
+            rest += range(at, end)
+        at = end
+    if rest:
+        idx = mx.array(rest, dtype=mx.int32)
+        writes.append((mx.array([slots[i] for i in rest], dtype=mx.int32), idx))
+    return writes
+
+
+def _yield_cpu() -> None:
+    """The calling thread gives way to the others (Linux: a thread has its own nice
+    value): the writer's serializing and file writes can wait, the MLX thread's steps
+    and the reader's loads should not, and on a 2-core machine they compete."""
+    if sys.platform != "linux":
+        return  # (macOS: PRIO_PROCESS names processes only; the writer runs as it is)
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except OSError:
+        pass
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:
+        pass  # the pipe is full of wake-ups already
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def drain_wakes(tier: DiskTier) -> None:
+    """Empty the reader's wake-up pipe (an `install_ready` that takes every read)."""
+    _drain(tier.wake_fd)

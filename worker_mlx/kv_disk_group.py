@@ -45,7 +45,7 @@ from common.distributed_plan import GROUP_BROKEN
 from common.kv_store.fingerprint import FINGERPRINT_CHARS
 from common.messages import BlocksLoaded, GroupInstall
 from common.protocol import encode
-from worker_mlx.kv_disk import DiskTier
+from worker_mlx.kv_disk import DiskTier, ReadLoad, drain_wakes
 
 logger = logging.getLogger(__name__)
 
@@ -115,26 +115,27 @@ class GroupDiskTier(DiskTier):
     def install_ready(self) -> list[BlocksLoaded]:
         """Rank 0, between steps: for each LoadBatch its own reader is done with, the
         other ranks are told to install theirs, and the group installs alike."""
+        drain_wakes(self)  # (the reader's wake-ups: this loop takes every read)
         answers = []
         while True:
             try:
-                step, blocks = self._read_done.get_nowait()
+                read = self._read_done.get_nowait()
             except queue.Empty:
                 return answers
-            self.forward(encode(GroupInstall(step)))
+            self.forward(encode(GroupInstall(read.step)))
             try:
-                answers.append(self._agree_install(step, blocks))
+                answers.append(self._agree_install(read))
             except Exception as exc:  # a peer lost mid-collective: the group restarts
-                logger.error("kv disk: load %d failed in the group (%s); exiting", step, exc)
+                logger.error("kv disk: load %d failed in the group (%s); exiting", read.step, exc)
                 raise SystemExit(GROUP_BROKEN) from exc
 
     def install_step(self, step: int) -> None:
         """A rank > 0 at rank 0's GroupInstall: its own read of that LoadBatch (LoadBatches
         come in one order to every rank), then the group's agreement."""
-        got, blocks = self._read_done.get()
-        if got != step:
-            raise RuntimeError(f"kv disk: read LoadBatch {got}, rank 0 installs {step}")
-        self._agree_install(step, blocks)
+        read = self._read_done.get()
+        if read.step != step:
+            raise RuntimeError(f"kv disk: read LoadBatch {read.step}, rank 0 installs {step}")
+        self._agree_install(read)
         self.report()  # nobody reads a rank > 0's report: its figures are dropped
 
     def save(self, blocks) -> None:
@@ -152,8 +153,9 @@ class GroupDiskTier(DiskTier):
                 logger.info("kv disk: block %s lost another rank's part; dropped", key)
                 self.store.forget(key)
 
-    def _agree_install(self, step: int, blocks: list) -> BlocksLoaded:
+    def _agree_install(self, read: ReadLoad) -> BlocksLoaded:
         """Install the blocks every rank read, in order (all_min of the counts)."""
+        blocks = read.blocks
         mine = mx.array([len(blocks), int(self.store.writable)], mx.int32)
         count, writable = np.array(mx.distributed.all_min(mine, group=self.group)).tolist()
         if count < len(blocks):
@@ -165,7 +167,9 @@ class GroupDiskTier(DiskTier):
                 self._errors["missing"] += 1
         if not writable:
             self._stop_writing()
-        return self._install_read(step, blocks[:count])
+        if count < len(blocks):
+            read = self._assemble(read.step, blocks[:count])
+        return self._install_read(read)
 
     def _agree_writable(self) -> None:
         mine = mx.array([int(self.store.writable)], mx.int32)

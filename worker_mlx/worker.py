@@ -92,11 +92,11 @@ def run_worker(
         serve(engine, inbox, None, trace, cache.after_step, probe=probe, disk=disk)
         return
     forward = Fanout(ctx, spec.fanout) if spec is not None else None
-    if disk is not None and forward is not None:
-        disk.forward = forward  # a group's tier tells the ranks when to install a load
     inbox = bind_pull(ctx, endpoints.worker_in)
     outbox = connect_push(ctx, endpoints.scheduler_from_worker)
     outbox.send(encode(ready))
+    if disk is not None:
+        _connect_tier(disk, ctx, endpoints, trace, forward)
     serve(engine, inbox, outbox, trace, cache.after_step, forward, probe, guard, embedder, disk)
 
 
@@ -116,18 +116,20 @@ def serve(
     watch = ParentWatch()
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    if disk is not None and outbox is not None:
+        poller.register(disk.wake_fd, zmq.POLLIN)  # the reader's: a load is read
     while True:
-        if disk is not None and outbox is not None:
-            for answer in disk.install_ready():  # blocks read meanwhile, between steps
-                answer.disk = disk.report()
-                outbox.send(encode(answer))
-        loading = disk is not None and disk.loading
-        if not poller.poll(5 if loading else 1000):
+        _install_loads(disk, outbox, engine)  # blocks read meanwhile, between steps
+        events = dict(poller.poll(1000))
+        if not events:
             if not watch.parent_alive():
                 logger.info("parent process gone; exiting")
                 return
             continue
+        if inbox not in events:
+            continue  # the reader woke the loop: its load is installed at the top
         frame = inbox.recv()
+        _install_loads(disk, outbox, engine)  # before any descriptor: it may use them
         try:
             msg = decode(frame, WORKER_INBOX if outbox is not None else RANK_INBOX)
         except ProtocolError as exc:
@@ -158,6 +160,48 @@ def serve(
             probe.after(msg)  # at the same point on every rank, before the lookahead
         engine.run_ahead()  # the next decode step computes while the scheduler works
         after_step()
+
+
+def _install_loads(disk, outbox, engine) -> None:
+    """Write the loads the reader has read into the pool (and answer those it did not).
+    A finished request's kept buffer (Lookahead) is forgotten: a load may have taken its
+    slots, which the buffer would otherwise be reused for."""
+    if disk is None or outbox is None:
+        return
+    installed = disk.installed
+    for answer in disk.install_ready():
+        answer.disk = disk.report()
+        outbox.send(encode(answer))
+    lookahead = engine.runner.lookahead
+    if disk.installed != installed and lookahead.bet is not None and not lookahead.has_step:
+        lookahead.invalidate()
+
+
+def _connect_tier(disk, ctx, endpoints: Endpoints, trace: Trace, forward) -> None:
+    """The disk tier's links: loads start as soon as the scheduler sends them and are
+    answered once read. A group's tier (`forward`: rank 0's Fanout) tells the ranks when
+    to install a load instead, and rank 0 answers after they did, from the serving loop."""
+    disk.trace = trace
+    if forward is not None:
+        disk.forward = forward
+        return
+    disk.answer_from_reader(lambda: _sender(connect_push(ctx, endpoints.scheduler_from_worker)))
+    if endpoints.worker_loads:
+        disk.receive_loads(lambda: _load_receiver(bind_pull(ctx, endpoints.worker_loads)))
+
+
+def _sender(socket):
+    return lambda msg: socket.send(encode(msg))
+
+
+def _load_receiver(socket):
+    """The next LoadBatch from `socket` (None: another message), for the disk tier."""
+
+    def receive() -> LoadBatch | None:
+        msg = decode(socket.recv(), WORKER_INBOX)
+        return msg if isinstance(msg, LoadBatch) else None
+
+    return receive
 
 
 def execute(

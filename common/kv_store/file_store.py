@@ -8,7 +8,8 @@ at the next start.
 
 A block file holds the block's arrays as raw bytes (any dtype: a quantized pool's codes,
 bfloat16, which numpy lacks) with, in the safetensors metadata, its key, parent key,
-tokens, the fingerprint and a blake2b checksum over all of it. A read checks all of it:
+tokens, the fingerprint and a checksum over all of it (`block_format`: XXH3, read
+without copying the arrays). A read checks all of it:
 a truncated, corrupted or foreign file is refused (`BlockError`) and never served.
 Writes go to a temporary file renamed into place, so a kill mid-write leaves no file
 that reads as a block. When the directory cannot be written (full, read-only), the
@@ -17,7 +18,6 @@ store logs one warning and stops writing; reads go on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,9 +27,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load, save
+from safetensors.numpy import save
 
+from common.kv_store import block_format
 from common.kv_store.block_keys import block_key
 from common.kv_store.store import BlockError, StoredBlock
 
@@ -238,18 +238,17 @@ class FileBlockStore:
             "tokens": json.dumps(tokens),
             "fingerprint": self._file_print,
         }
-        meta["checksum"] = _checksum(meta, arrays)
+        meta["checksum"] = block_format.checksum(meta, arrays)
         return meta
 
     def _check(self, key: str, data: bytes) -> StoredBlock:
         try:
-            meta = _read_metadata(data)
-            arrays = load(data)
-        except (SafetensorError, ValueError, KeyError, TypeError) as exc:
+            meta, arrays = block_format.parse(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise BlockError("truncated", f"block {key}: unreadable ({exc})") from exc
         if meta.get("fingerprint") != self._file_print or meta.get("key") != key:
             raise BlockError("foreign", f"block {key}: written for another model or key")
-        if meta.get("checksum") != _checksum(meta, arrays):
+        if not block_format.matches(meta, arrays):
             raise BlockError("checksum", f"block {key}: checksum mismatch")
         tokens = json.loads(meta["tokens"])
         if block_key(meta["parent"], tokens) != key:
@@ -287,22 +286,3 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError:
         pass  # an unwritable directory: the block stays, refused at every read
-
-
-def _checksum(meta: dict[str, str], arrays: dict[str, np.ndarray]) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    for name in ("key", "parent", "tokens", "fingerprint"):
-        digest.update(f"{name}={meta.get(name)}\0".encode())
-    for name in sorted(arrays):
-        arr = np.ascontiguousarray(arrays[name])
-        digest.update(f"{name}:{arr.dtype.str}:{arr.shape}\0".encode())
-        digest.update(arr.tobytes())
-    return digest.hexdigest()
-
-
-def _read_metadata(data: bytes) -> dict[str, str]:
-    """The safetensors header's `__metadata__` (the library's numpy loader drops it)."""
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise ValueError("header length beyond the file")
-    return json.loads(data[8 : 8 + n]).get("__metadata__", {})
