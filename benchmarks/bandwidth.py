@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,15 +29,21 @@ import mlx.core as mx  # noqa: E402
 DEFAULT_OUT = Path("bench_results/bandwidth.jsonl")
 
 
-def best_seconds(run: Callable[[], None], repeats: int) -> float:
-    """The fastest of `repeats` timed calls, after one untimed call (page faults, caches)."""
+def timed(run: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(best, median) seconds of `repeats` calls after one untimed call (page faults,
+    caches)."""
     run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return min(times), statistics.median(times)
+
+
+def best_seconds(run: Callable[[], None], repeats: int) -> float:
+    """The fastest of `repeats` timed calls, after one untimed call."""
+    return timed(run, repeats)[0]
 
 
 def numpy_copy_gbps(nbytes: int, repeats: int) -> float:

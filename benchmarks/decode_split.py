@@ -19,9 +19,6 @@ the rest (norms, RoPE, the head, sampling, the step's own overhead).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 from common.tiny_presets import PRESETS
 from worker_mlx.backends.blas import preload_openblas
@@ -30,20 +27,10 @@ BLAS = preload_openblas()
 
 import mlx.core as mx  # noqa: E402
 
+from benchmarks.bandwidth import timed  # noqa: E402
 from worker_mlx.backends import cpu_kernels  # noqa: E402
 from worker_mlx.backends.cpu_linear import small_rows_matmul  # noqa: E402
 from worker_mlx.decode_step import attention_width  # noqa: E402
-
-
-def timed(run: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """(best, median) seconds of `repeats` calls after one untimed call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
 
 
 def weight_shapes(p: dict) -> list[tuple[int, int]]:
