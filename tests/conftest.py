@@ -94,6 +94,31 @@ def mlx_greedy(path: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+def runner_greedy(model, prompts: list[list[int]], steps: int, pool_slots: int) -> list[list[int]]:
+    """The worker's ModelRunner generating greedily for `prompts` batched together (one
+    extend, then decode steps), in a pool of `pool_slots`: what parity tests set against
+    mlx_greedy."""
+    from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
+    from worker_mlx.kv_pool import MlxKVPool
+    from worker_mlx.model_probe import probe_kv_layout
+    from worker_mlx.model_runner import ModelRunner
+
+    runner = ModelRunner(model, MlxKVPool(probe_kv_layout(model), pool_slots), 512)
+    slots = iter(range(1, pool_slots + 1))
+    params = SamplingParams(temperature=0, max_new_tokens=steps)
+    reqs = [
+        ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params) for i, p in enumerate(prompts)
+    ]
+    rids = [r.rid for r in reqs]
+    out = runner.extend(ExtendBatch(0, reqs))
+    got = [[t] for t in out.next_token_ids]
+    for step in range(1, steps):
+        out = runner.decode(DecodeBatch(step, rids, [next(slots) for _ in rids]))
+        for row, t in zip(got, out.next_token_ids):
+            row.append(t)
+    return got
+
+
 def _serve(model: str, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     server = ServerProcess(model, log, extra=["--max-total-tokens", "8192"])

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tests.conftest import load_model, mlx_greedy
+from tests.conftest import load_model, mlx_greedy, runner_greedy
 from worker_mlx.backends import cpu_kernels
 from worker_mlx.backends.cpu_kernels import fast_exp, scaled_dot_product_attention, swiglu
 
@@ -235,11 +235,6 @@ def test_batched_runner_with_kernels_matches_stock_generation(small_model, spans
     goes in spans of keys, as 4k tokens and more of the medium preset's do."""
     if spans:
         monkeypatch.setattr(cpu_kernels, "SMALL_MNK", 64 * 2 * 64)
-    from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
-    from worker_mlx.kv_pool import MlxKVPool
-    from worker_mlx.model_probe import probe_kv_layout
-    from worker_mlx.model_runner import ModelRunner
-
     rng = random.Random(11)
     prompts = [
         [rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 90, 160, 250, 330, 410, 520)
@@ -248,20 +243,7 @@ def test_batched_runner_with_kernels_matches_stock_generation(small_model, spans
     want = [mlx_greedy(small_model, p, steps) for p in prompts]
     model, _ = load_model(small_model)
     with kernels_on(model):
-        runner = ModelRunner(model, MlxKVPool(probe_kv_layout(model), 4096), 512)
-        slots = iter(range(1, 4097))
-        params = SamplingParams(temperature=0, max_new_tokens=steps)
-        reqs = [
-            ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)
-            for i, p in enumerate(prompts)
-        ]
-        rids = [r.rid for r in reqs]
-        out = runner.extend(ExtendBatch(0, reqs))
-        got = [[t] for t in out.next_token_ids]
-        for step in range(1, steps):
-            out = runner.decode(DecodeBatch(step, rids, [next(slots) for _ in rids]))
-            for row, t in zip(got, out.next_token_ids):
-                row.append(t)
+        got = runner_greedy(model, prompts, steps, 4096)
     assert got == want
 
 

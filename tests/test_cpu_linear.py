@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from tests.conftest import load_model, mlx_greedy
+from tests.conftest import load_model, mlx_greedy, runner_greedy
 from worker_mlx.backends import cpu_linear, select
 from worker_mlx.backends.cpu_linear import SMALL_MNK, SmallRowsLinear, block_rows
 
@@ -67,11 +67,7 @@ def test_batch_of_eight_through_the_cpu_backend_matches_mlx_lm(preset, model_cac
     """Eight rows decoding together: every linear layer of the medium preset runs as blocks
     of rows (the small one's keep the stock matmul), compiled, against stock mlx-lm's
     greedy."""
-    from common.messages import DecodeBatch, ExtendBatch, ExtendReq, SamplingParams
     from common.tiny_model import ensure_tiny_model
-    from worker_mlx.kv_pool import MlxKVPool
-    from worker_mlx.model_probe import probe_kv_layout
-    from worker_mlx.model_runner import ModelRunner
 
     path = str(ensure_tiny_model(model_cache, preset=preset))
     rng = random.Random(13)
@@ -85,20 +81,7 @@ def test_batch_of_eight_through_the_cpu_backend_matches_mlx_lm(preset, model_cac
         assert any(type(m) is SmallRowsLinear for _, m in model.named_modules())
         blocked = block_rows(8, *model.model.layers[0].mlp.down_proj.weight.shape)
         assert (blocked is not None) == (preset == "medium")
-        runner = ModelRunner(model, MlxKVPool(probe_kv_layout(model), 2048), 512)
-        slots = iter(range(1, 2049))
-        params = SamplingParams(temperature=0, max_new_tokens=steps)
-        reqs = [
-            ExtendReq(f"r{i}", p, [], [next(slots) for _ in p], params)
-            for i, p in enumerate(prompts)
-        ]
-        rids = [r.rid for r in reqs]
-        out = runner.extend(ExtendBatch(0, reqs))
-        got = [[t] for t in out.next_token_ids]
-        for step in range(1, steps):
-            out = runner.decode(DecodeBatch(step, rids, [next(slots) for _ in rids]))
-            for row, t in zip(got, out.next_token_ids):
-                row.append(t)
+        got = runner_greedy(model, prompts, steps, 2048)
     finally:
         undo()
     assert got == want
