@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -52,26 +53,28 @@ def _ranks(server_args: str) -> int:
     return n
 
 
-def run(args: argparse.Namespace) -> dict:
+def restart_session(
+    args: argparse.Namespace, model: str, name: str, between: Callable[[Path, Path], dict]
+) -> dict:
+    """Server 1 runs the session's turn and stops once its blocks are on disk;
+    `between(kv_dir, server 1's log)` measures what it left; server 2, on the same
+    directory, gets the next turn and a cold prompt of its length. The seconds, cached
+    tokens and logs, with what `between` returned."""
     rng = random.Random(args.seed)
     session = [rng.randrange(3, 500) for _ in range(args.prompt_len)]
-    kv_dir = Path(tempfile.mkdtemp(prefix="kv-disk-bench-"))
+    kv_dir = Path(tempfile.mkdtemp(prefix=f"{name}-bench-"))
     flags = f"{args.server_args} --kv-disk-dir {kv_dir} --kv-disk-block-tokens {args.block}"
-    model = args.model_path
-    if model is None:
-        from common.tiny_model import ensure_tiny_model
-
-        model = str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset=args.preset))
     try:
-        server, _, log1, _ = start_server(model, flags, "kv-disk-1")
+        server, _, log1, _ = start_server(model, flags, f"{name}-1")
         try:
             cold1, _, out = _first_token(server.url, session)
             _wait_blocks(kv_dir, args.prompt_len // args.block * _ranks(args.server_args))
         finally:
             server.stop()
+        measured = between(kv_dir, log1)
         turn = session + out + [rng.randrange(3, 500) for _ in range(args.new_tokens)]
         other = [rng.randrange(3, 500) for _ in range(len(turn))]
-        server, _, log2, _ = start_server(model, flags, "kv-disk-2")
+        server, _, log2, _ = start_server(model, flags, f"{name}-2")
         try:
             disk, cached, _ = _first_token(server.url, turn)
             cold, _, _ = _first_token(server.url, other)
@@ -82,8 +85,21 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "first_server_cold_ttft_s": cold1, "restart_ttft_s": disk, "cold_ttft_s": cold,
         "ratio": disk / cold, "cached_tokens": cached, "prompt_tokens": len(turn),
-        "logs": [str(log1), str(log2)],
+        "logs": [str(log1), str(log2)], **measured,
     }  # fmt: skip
+
+
+def tiny_model(args: argparse.Namespace, **kind) -> str:
+    """--model-path, or the tiny-model builder's --preset (of `kind`, e.g. arch=...)."""
+    if args.model_path is not None:
+        return args.model_path
+    from common.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset=args.preset, **kind))
+
+
+def run(args: argparse.Namespace) -> dict:
+    return restart_session(args, tiny_model(args), "kv-disk", lambda kv_dir, log: {})
 
 
 def report(r: dict) -> str:
@@ -95,9 +111,8 @@ def report(r: dict) -> str:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_disk_restart", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def add_session_args(p: argparse.ArgumentParser) -> None:
+    """The session's flags (`restart_session`), shared with benchmarks.kv_disk_windows."""
     p.add_argument("--preset", default="small", help="tiny-model preset (without --model-path)")
     p.add_argument("--model-path", default=None)
     p.add_argument("--prompt-len", type=int, default=8192)
@@ -106,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="--max-total-tokens 20000")
     p.add_argument("--out", default="bench_results", help="directory for the JSON record")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_disk_restart", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_session_args(p)
     return p.parse_args(argv)
 
 

@@ -17,51 +17,26 @@ import re
 import sys
 from pathlib import Path
 
-from benchmarks.kv_disk_restart import _first_token, _wait_blocks
-from benchmarks.soak import save_record, start_server
+from benchmarks.kv_disk_restart import add_session_args, restart_session, tiny_model
+from benchmarks.soak import save_record
 
 
 def run(args: argparse.Namespace) -> dict:
-    import random
-    import shutil
-    import tempfile
-
-    from common.tiny_model import ensure_tiny_model
-
-    model = args.model_path or str(
-        ensure_tiny_model(Path.home() / ".cache" / "radix-mlx", preset=args.preset, arch=args.arch)
-    )
-    rng = random.Random(args.seed)
-    session = [rng.randrange(3, 500) for _ in range(args.prompt_len)]
-    kv_dir = Path(tempfile.mkdtemp(prefix="kv-windows-bench-"))
-    flags = f"{args.server_args} --kv-disk-dir {kv_dir} --kv-disk-block-tokens {args.block}"
     blocks = args.prompt_len // args.block
-    try:
-        server, _, log1, _ = start_server(model, flags, "kv-windows-1")
-        try:
-            _, _, out = _first_token(server.url, session)
-            _wait_blocks(kv_dir, blocks)
-        finally:
-            server.stop()
+
+    def bytes_held(kv_dir: Path, log: Path) -> dict:
+        """The saved session's bytes against every layer's KV of its blocks."""
         files = list(kv_dir.glob("*/blocks/*/*.safetensors"))
         held = sum(f.stat().st_size for f in files)
-        token_bytes = int(re.search(r"KV pool: \d+ tokens x (\d+) bytes", log1.read_text())[1])
+        token_bytes = int(re.search(r"KV pool: \d+ tokens x (\d+) bytes", log.read_text())[1])
         every_layer = blocks * args.block * token_bytes
-        turn = session + out + [rng.randrange(3, 500) for _ in range(args.new_tokens)]
-        server, _, log2, _ = start_server(model, flags, "kv-windows-2")
-        try:
-            disk, cached, _ = _first_token(server.url, turn)
-            cold, _, _ = _first_token(server.url, [rng.randrange(3, 500) for _ in turn])
-        finally:
-            server.stop()
-    finally:
-        shutil.rmtree(kv_dir, ignore_errors=True)
-    return {
-        "files": len(files), "blocks": blocks, "disk_bytes": held,
-        "every_layer_bytes": every_layer, "bytes_ratio": held / every_layer,
-        "restart_ttft_s": disk, "cold_ttft_s": cold, "ttft_ratio": disk / cold,
-        "cached_tokens": cached, "prompt_tokens": len(turn), "logs": [str(log1), str(log2)],
-    }  # fmt: skip
+        return {
+            "files": len(files), "blocks": blocks, "disk_bytes": held,
+            "every_layer_bytes": every_layer, "bytes_ratio": held / every_layer,
+        }  # fmt: skip
+
+    r = restart_session(args, tiny_model(args, arch=args.arch), "kv-windows", bytes_held)
+    return {**r, "ttft_ratio": r["ratio"]}
 
 
 def report(r: dict) -> str:
@@ -78,14 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_disk_windows", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--arch", default="gemma3", help="tiny-model family with sliding windows")
-    p.add_argument("--preset", default="small", help="tiny-model preset (without --model-path)")
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--prompt-len", type=int, default=8192)
-    p.add_argument("--new-tokens", type=int, default=64, help="the next turn's new tokens")
-    p.add_argument("--block", type=int, default=256, help="--kv-disk-block-tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--server-args", default="--max-total-tokens 20000")
-    p.add_argument("--out", default="bench_results", help="directory for the JSON record")
+    add_session_args(p)
     return p.parse_args(argv)
 
 
