@@ -158,8 +158,17 @@ def serve(
             outbox.send(encode(reply))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead
-        engine.run_ahead()  # the next decode step computes while the scheduler works
+        _run_ahead(engine, disk)
         after_step()
+
+
+def _run_ahead(engine, disk) -> None:
+    """Compute the next decode step while the scheduler works, unless a prompt's blocks
+    were read meanwhile: its extend, not that step, is then the likely next descriptor,
+    and a step computed ahead would run before it."""
+    if disk is not None and disk.read_waiting():
+        engine.runner.lookahead.expect_step(None)
+    engine.run_ahead()
 
 
 def _install_loads(disk, outbox, engine) -> None:
