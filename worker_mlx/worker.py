@@ -158,14 +158,15 @@ def serve(
             outbox.send(encode(reply))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead
-        _run_ahead(engine, disk)
+        _run_ahead(engine, disk if probe is None else None)  # a group's ranks alike
         after_step()
 
 
 def _run_ahead(engine, disk) -> None:
     """Compute the next decode step while the scheduler works, unless a prompt's blocks
     were read meanwhile: its extend, not that step, is then the likely next descriptor,
-    and a step computed ahead would run before it."""
+    and a step computed ahead would run before it. (Not in a group, `disk` None: each
+    rank's reader has its own timing, and every rank must run the same steps.)"""
     if disk is not None and disk.read_waiting():
         engine.runner.lookahead.expect_step(None)
     engine.run_ahead()
