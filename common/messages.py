@@ -369,6 +369,16 @@ class LoadBatch:
 
 
 @dataclass
+class HoldAhead:
+    """Scheduler -> worker while DecodeBatch `step` (sent with `lookahead`) is in flight:
+    a prompt arrived meanwhile, so its extend, not that decode step's successor, is the
+    likely next descriptor. The worker computes no step ahead after `step` (one computed
+    ahead would run before the extend). Nothing answers it."""
+
+    step: int
+
+
+@dataclass
 class GroupInstall:
     """Rank 0 of a distributed worker -> the other ranks (never the scheduler): rank 0
     read its part of LoadBatch `step`; every rank now waits for its own, the group agrees
@@ -555,7 +565,9 @@ ROUTER_INBOX = _registry(
     DiskReport,
     LoraUpdated,
 )
-WORKER_INBOX = _registry(ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch, LoadBatch, LoraUpdate)
+WORKER_INBOX = _registry(
+    ExtendBatch, DecodeBatch, ReleaseBatch, EmbedBatch, LoadBatch, LoraUpdate, HoldAhead
+)
 # a distributed worker's rank > 0: what rank 0 forwards, and what it adds itself
 RANK_INBOX = {**WORKER_INBOX, **_registry(GroupInstall)}
 REPLICA_INBOX = _registry(GenerateReq, AbortReq, ReplicaPing, EmbedReq)

@@ -31,6 +31,7 @@ from common.messages import (
     EmbedReq,
     ExtendBatch,
     GenerateReq,
+    HoldAhead,
     LoadBatch,
     LoraUpdate,
     LoraUpdated,
@@ -69,6 +70,7 @@ class SchedulerProcess:
         self.watch = ParentWatch()
         self.trace = Trace(args.trace_dir, "scheduler")
         self.sched: Scheduler | None = None
+        self._bet: DecodeBatch | None = None  # in flight, to be followed by a step ahead
         self._last_stats = 0.0
         self._sent_stats = None
 
@@ -131,6 +133,7 @@ class SchedulerProcess:
         """The step's StepResult or WorkerError; a bad frame or a WorkerError naming no
         step (the worker could not read what we sent) ends the wait as a failed step."""
         sent, reported = time.monotonic(), False
+        self._bet = batch if isinstance(batch, DecodeBatch) and batch.lookahead else None
         while True:
             msg = self._poll(timeout_ms=1000, want_worker=True)
             waited = time.monotonic() - sent
@@ -164,7 +167,7 @@ class SchedulerProcess:
         if self.from_router in events:
             self._drain_router()
             if want_worker and self.sched is not None:
-                self._load_during_step()
+                self._during_step()
         if self.from_worker in events:
             frame = self.from_worker.recv()
             try:
@@ -181,12 +184,19 @@ class SchedulerProcess:
             logger.warning("dropping %s from the worker: no step in flight", type(msg).__name__)
         return None
 
-    def _load_during_step(self) -> None:
-        """Prefetch for prompts that came while a step is in flight (see
-        `Scheduler.load_during_step`): the LoadBatch goes out now, behind that step."""
+    def _during_step(self) -> None:
+        """Prompts that came while a step is in flight: their loads go out now (see
+        `Scheduler.load_during_step`). If that step is a decode the worker was to follow
+        with the next one computed ahead, the prompt's extend comes first instead: the
+        LoadBatch, or else a HoldAhead, waiting in the worker's inbox when the step is
+        done tells it not to (a step computed ahead would run before the extend)."""
         load = self.sched.load_during_step()
         if load is not None:
             self._send(load)
+        if self._bet is not None and self.sched.waiting:
+            if load is None:
+                self.to_worker.send(encode(HoldAhead(self._bet.step)))
+            self._bet = None
 
     def _send(self, batch) -> None:
         """A batch to the worker; a LoadBatch also to its disk tier's own socket, where

@@ -37,6 +37,7 @@ from common.messages import (
     ExtendBatch,
     ExtendReq,
     GenerateReq,
+    HoldAhead,
     ReleaseBatch,
     ReleaseReq,
     ReqError,
@@ -170,7 +171,14 @@ class ScriptedWorker:
         self.extends: dict[str, list[ExtendReq]] = {}  # every ExtendReq seen, per request
         self.violations: list[str] = []
         self.last_step = 0
-        self.counts = {"extend": 0, "decode": 0, "release_batch": 0, "flush": 0, "drop": 0}
+        self.counts = {
+            "extend": 0,
+            "decode": 0,
+            "release_batch": 0,
+            "flush": 0,
+            "drop": 0,
+            "hold_ahead": 0,
+        }
         self.max_decode_batch = 0
         self.states = ShadowStates(num_state_slots, self._bad)
         # the machine a test models: (rows, columns per row) -> a decode step's seconds,
@@ -186,6 +194,11 @@ class ScriptedWorker:
     # ------------------------------------------------------------ messages
 
     def handle(self, msg: ExtendBatch | DecodeBatch | ReleaseBatch) -> StepResult | None:
+        if isinstance(msg, HoldAhead):  # names the step in flight: no step of its own
+            if msg.step != self.last_step:
+                self._bad(f"HoldAhead for step {msg.step}, in flight: {self.last_step}")
+            self.counts["hold_ahead"] += 1
+            return None
         if msg.step <= self.last_step:
             self._bad(f"step {msg.step} after step {self.last_step}: steps must increase")
         self.last_step = max(self.last_step, msg.step)

@@ -13,22 +13,11 @@ import pytest
 
 from common.kv_store.block_keys import block_key, root_key, state_key
 from common.kv_store.file_store import FileBlockStore
-from common.messages import (
-    BlockLoad,
-    BlockSave,
-    DecodeBatch,
-    ExtendBatch,
-    ExtendReq,
-    SamplingParams,
-)
-from tests.conftest import load_model
+from common.messages import BlockLoad, BlockSave
 from worker_mlx import kv_disk
 from worker_mlx.kv_disk import DiskTier
 from worker_mlx.kv_pool import KVLayout, MlxKVPool
-from worker_mlx.model_probe import probe_kv_layout
-from worker_mlx.model_runner import ModelRunner
 from worker_mlx.state_pool import StateLayout, StatePool
-from worker_mlx.worker import _run_ahead
 
 B = 8
 
@@ -192,31 +181,3 @@ def test_debug_invariants_catch_a_block_installed_wrong(tmp_path, monkeypatch):
     tier.submit(8, [BlockLoad(key, 0, list(range(40, 40 + B)))])
     with pytest.raises(AssertionError, match="the pool differs"):
         _answers(tier)
-
-
-def test_no_step_is_computed_ahead_while_a_read_load_waits(tmp_path, tiny_model):
-    """A decode step asks for the next one to be computed ahead; while a load is read
-    and not installed, its prompt's extend is the likely next descriptor, so none is
-    (it would run before that extend); once the load is in, the next one is."""
-    model, _ = load_model(tiny_model)
-    pool = MlxKVPool(probe_kv_layout(model), 256)
-    runner = ModelRunner(model, pool, model.args.vocab_size)
-    tier = DiskTier(FileBlockStore(tmp_path, "fp", 1 << 24), pool, B)
-    tokens = list(range(3, 3 + B))
-    greedy = SamplingParams(temperature=0)
-    runner.extend(ExtendBatch(0, [ExtendReq("a", tokens, [], list(range(1, B + 1)), greedy)]))
-    key = block_key(root_key(0), tokens)
-    tier.save([BlockSave(key, root_key(0), tokens, list(range(1, B + 1)))])
-    tier.drain()
-    tier.submit(2, [BlockLoad(key, 0, list(range(40, 40 + B)))])
-    deadline = time.monotonic() + 10
-    while not tier.read_waiting() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    runner.decode(DecodeBatch(1, ["a"], [20], [], True))
-    _run_ahead(runner, tier)
-    assert tier.read_waiting() and not runner.lookahead.has_step
-    [answer] = _answers(tier)
-    assert answer.loaded == 1 and not tier.read_waiting()
-    runner.decode(DecodeBatch(3, ["a"], [21], [], True))
-    _run_ahead(runner, tier)
-    assert runner.lookahead.has_step

@@ -12,6 +12,7 @@ from worker_mlx.kv_pool import MlxKVPool
 from worker_mlx.model_probe import probe_kv_layout
 from worker_mlx.model_runner import ModelRunner
 from worker_mlx.self_check import batched_path_works
+from worker_mlx.worker import _run_ahead
 
 PROMPTS = [[5, 17, 99, 230, 41, 8], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]]
 
@@ -206,3 +207,20 @@ def test_lookahead_steps_match_mlx_lm_and_are_undone_when_unused(tiny_model):
         step += 1
     for rid, prompt in zip("abc", PROMPTS):
         assert got[rid] == mlx_greedy(tiny_model, prompt, len(got[rid])), rid
+
+
+def test_a_held_step_is_not_computed_ahead(tiny_model):
+    """The worker's rule after a decode step sent with `lookahead`: held (the scheduler
+    sent something during it: a prompt came), nothing is computed ahead; otherwise the
+    next step is, and the descriptor that follows takes it, exact."""
+    runner = _runner(tiny_model)
+    greedy = SamplingParams(temperature=0)
+    out = runner.extend(
+        ExtendBatch(0, [ExtendReq("a", PROMPTS[2], [], list(range(1, 12)), greedy)])
+    )
+    got = out.next_token_ids
+    for step, held in ((1, True), (2, False), (3, False)):
+        got += runner.decode(DecodeBatch(step, ["a"], [20 + step], [], True)).next_token_ids
+        _run_ahead(runner, held)
+        assert runner.lookahead.has_step is not held
+    assert got == mlx_greedy(tiny_model, PROMPTS[2], 4)

@@ -18,6 +18,7 @@ from common.messages import (
     DecodeBatch,
     ExtendBatch,
     ExtendReq,
+    HoldAhead,
     ReleaseBatch,
     ReleaseReq,
     SamplingParams,
@@ -195,6 +196,33 @@ def test_retracted_request_resumes_from_its_flushed_decode_kv(make_harness):
     resume = h.worker.extends["b"][1]
     assert len(resume.prefix_slot_ids) > 11 + 20, resume  # the prompt and the decode KV
     assert h.results["b"].finish == "length" and h.results["a"].finish == "abort"
+
+
+def test_a_prompt_arriving_mid_decode_holds_the_step_computed_ahead(make_harness):
+    """A decode step is sent to be followed by one computed ahead; a prompt that arrives
+    while it is in flight makes the scheduler send HoldAhead for that step (once), and
+    the prompt's extend is the next step: the worker computes nothing it would throw
+    away before that extend."""
+    h = make_harness(512)
+    sent = []
+
+    def hook(msg) -> bool:
+        if isinstance(msg, DecodeBatch) and msg.lookahead and len(msg.rids) == 1:
+            h.submit("b", list(range(40, 52)), 4)
+            time.sleep(0.05)  # b lands while this step is in flight
+            return True
+        return False
+
+    h.on_worker(lambda msg: sent.append(msg))  # (None: kept)
+    h.on_worker(hook)
+    h.submit("a", list(range(10, 22)), 12)
+    h.wait_idle(timeout=10)
+    h.verify()
+    held = next(i for i, m in enumerate(sent) if isinstance(m, HoldAhead))
+    assert sent[held].step == sent[held - 1].step and sent[held - 1].lookahead
+    after = sent[held + 1]
+    assert isinstance(after, ExtendBatch) and [r.rid for r in after.reqs] == ["b"]
+    assert h.worker.counts["hold_ahead"] == 1
 
 
 def test_aborts_free_every_slot(make_harness):

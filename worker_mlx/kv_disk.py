@@ -376,11 +376,6 @@ class DiskTier:
         full = iter(raws)
         return [next(windows, None) if s else next(full) for s in self._sliding]
 
-    def read_waiting(self) -> bool:
-        """Whether a load is read and not installed yet: its prompt's extend is the
-        scheduler's likely next descriptor (MLX thread)."""
-        return bool(self._landed) or not self._read_done.empty()
-
     def install_ready(self) -> list[BlocksLoaded]:
         """Write the loads the reader has read, and whose LoadBatch came through the
         inbox, into their slots (the MLX thread, between steps: a copy, no file I/O) and

@@ -24,6 +24,7 @@ from common.messages import (
     EmbedResult,
     ExtendBatch,
     GroupInstall,
+    HoldAhead,
     LoadBatch,
     LoraUpdate,
     LoraUpdated,
@@ -141,6 +142,8 @@ def serve(
             continue
         if forward is not None:
             forward(frame)
+        if isinstance(msg, HoldAhead):
+            continue  # it did its work waiting in the inbox (`_run_ahead`)
         step = getattr(msg, "step", -1)
         trace("recv", step, *(["ahead"] if engine.runner.lookahead.has_step else []))
         reply = execute(engine, msg, probe is not None, guard, embedder, disk)
@@ -148,26 +151,33 @@ def serve(
         if isinstance(msg, GroupInstall):
             continue  # not a step: nothing to answer, nothing new to compute ahead
         if reply is not None and outbox is not None:
-            if probe is not None and isinstance(reply, StepResult):
-                reply.collective_seconds = probe.take()
-            if disk is not None and not isinstance(reply, WorkerError):
-                reply.disk = disk.report()
-            vision = engine.runner.vision
-            if vision is not None and isinstance(reply, StepResult):
-                reply.vision_counts = [vision.tower_runs, vision.cache_hits]
-            outbox.send(encode(reply))
+            outbox.send(encode(_with_reports(reply, engine, probe, disk)))
         if probe is not None:
             probe.after(msg)  # at the same point on every rank, before the lookahead
-        _run_ahead(engine, disk if probe is None else None)  # a group's ranks alike
+        # (not in a group: every rank must run the same steps, whatever came when)
+        _run_ahead(engine, probe is None and bool(inbox.poll(0)))
         after_step()
 
 
-def _run_ahead(engine, disk) -> None:
-    """Compute the next decode step while the scheduler works, unless a prompt's blocks
-    were read meanwhile: its extend, not that step, is then the likely next descriptor,
-    and a step computed ahead would run before it. (Not in a group, `disk` None: each
-    rank's reader has its own timing, and every rank must run the same steps.)"""
-    if disk is not None and disk.read_waiting():
+def _with_reports(reply, engine, probe, disk):
+    """The reply with what rides along: the group's collective time, the disk tier's
+    report, the vision tower's counts."""
+    if probe is not None and isinstance(reply, StepResult):
+        reply.collective_seconds = probe.take()
+    if disk is not None and not isinstance(reply, WorkerError):
+        reply.disk = disk.report()
+    vision = engine.runner.vision
+    if vision is not None and isinstance(reply, StepResult):
+        reply.vision_counts = [vision.tower_runs, vision.cache_hits]
+    return reply
+
+
+def _run_ahead(engine, held: bool) -> None:
+    """Compute the next decode step while the scheduler works, unless `held`: the
+    scheduler sent something during the step just answered (HoldAhead, or a LoadBatch:
+    a prompt arrived), so that step is not the likely next descriptor, and one computed
+    ahead would run before the prompt's extend."""
+    if held:
         engine.runner.lookahead.expect_step(None)
     engine.run_ahead()
 
