@@ -71,3 +71,34 @@ def test_traditional_rope_is_left_alone():
     layer = Layer()
     assert cpu_rope.install(layer) == []
     assert type(layer.rope) is nn.RoPE
+
+
+def test_a_reserved_table_is_looked_up_inside_compile_bit_identically():
+    """Reserved for every position (the server's context), the table serves the compiled
+    decode step too, one and several tokens a row, with the stock op's exact values."""
+    rope = TableRoPE(nn.RoPE(64))
+    assert rope._table.reserve(8192) and rope._table.reserved >= 8192
+    size = len(rope._table.cos)
+    compiled = mx.compile(lambda x, o: rope(x, o))
+    for T in (1, 3):
+        x = mx.random.normal((3, 2, T, 64), key=mx.random.key(6 + T))
+        offset = mx.array([0, 517, 8000], dtype=mx.int32)
+        assert mx.array_equal(compiled(x, offset), _stock(x, 64, 10000.0, 1.0, offset)).item()
+    assert len(rope._table.cos) == size  # looked up, never resized
+
+
+def test_a_table_too_big_to_reserve_is_not():
+    table = cpu_rope.AngleTable(128, 10000.0, 1.0)
+    too_many = cpu_rope.MAX_RESERVED_BYTES // (128 * 4) + 1
+    assert not table.reserve(too_many) and table.reserved == 0 and len(table.cos) == 0
+
+
+def test_install_reserves_the_positions_asked_or_the_models(tiny_llama):
+    model, _ = load_model(tiny_llama)
+    for positions, want in ((5000, 5000), (None, model.args.max_position_embeddings)):
+        uninstall = cpu_kernels.install(model, positions)
+        try:
+            table = model.model.layers[0].self_attn.rope._table
+            assert table.reserved >= want and len(table.cos) == table.reserved
+        finally:
+            uninstall()

@@ -177,7 +177,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path, ca
         speculative_draft_model_path=str(other),
     )
     with caplog.at_level(logging.ERROR, logger="worker"), pytest.raises(SystemExit):
-        _load_draft(args, select(), tokenizer, vocab_size(tiny_model))
+        _load_draft(args, select(), tokenizer, vocab_size(tiny_model), 4096)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "needs the target's vocabulary" in line and str(other) in line
 

@@ -54,16 +54,17 @@ def load_runner(
     model, tokenizer, config, (layout, state_layout) = _load_servable(args.model_path, rank)
     layout = _stored_as(args.model_path, layout, args.kv_cache_dtype)
     lora = _adapters(args, model, runtime=rank is None and args.speculative_algorithm == "none")
-    backend.install(model)  # for the life of the process: the undo is for tests and benchmarks
+    context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
+    # for the life of the process: the undo is for tests and benchmarks
+    backend.install(model, context_len)
     backend.wire(mx.get_active_memory())
     vocab_size = _vocab_size(model, config)
-    context_len = args.context_length or int(config.get("max_position_embeddings") or 4096)
     model_type = _model_type(model, config)
     _log_model(args.model_path, model_type, layout, vocab_size, context_len)
     draft = None
     if args.speculative_algorithm == "draft":
         _check_vision(args, model, batched=True)  # before the draft model loads
-        draft = _load_draft(args, backend, tokenizer, vocab_size)
+        draft = _load_draft(args, backend, tokenizer, vocab_size, context_len)
     step = args.prefill_step_size or backend.prefill_step
     figures = memory.step_figures(model, layout, state_layout, vocab_size, step)
     share = None
@@ -123,7 +124,7 @@ def _adapters(args: ServerArgs, model, runtime: bool) -> LoraBank | NoLora:
     return lora
 
 
-def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:
+def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int, positions: int) -> tuple:
     """(model, layout) of --speculative-draft-model-path: refused unless its tokenizer is
     the target's, token for token, and its layers can verify drafts."""
     path = args.speculative_draft_model_path
@@ -140,7 +141,7 @@ def _load_draft(args: ServerArgs, backend, tokenizer, vocab_size: int) -> tuple:
         )
     if state_layout is not None or any(layout.windows):
         _refuse(path, "a draft model cannot have sliding windows or recurrent layers")
-    backend.install(model)
+    backend.install(model, positions)  # the target's positions
     logger.info("draft model %s: %s", path, describe_layers(layout))
     return model, _stored_as(path, layout, args.kv_cache_dtype)
 

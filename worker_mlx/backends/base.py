@@ -24,8 +24,10 @@ class Backend:
     def wire(self, model_bytes: int) -> None:
         """Keep the weights resident where the device can (Metal's wired memory)."""
 
-    def install(self, model: Any) -> Callable[[], None]:
-        """Apply this backend's changes to the process and `model`; returns their undo."""
+    def install(self, model: Any, positions: int | None = None) -> Callable[[], None]:
+        """Apply this backend's changes to the process and `model`; returns their undo.
+        `positions`: the most a request's can reach (the server's context length; None:
+        the model's own)."""
         return _nothing
 
     def describe(self) -> str:

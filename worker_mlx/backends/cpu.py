@@ -57,14 +57,14 @@ class CpuBackend(Backend):
             available += mx.get_active_memory()
         return available - max(int(available * MARGIN), MIN_MARGIN)
 
-    def install(self, model: nn.Module) -> Callable[[], None]:
+    def install(self, model: nn.Module, positions: int | None = None) -> Callable[[], None]:
         """Raise (never lower) mlx's buffer cache to BUFFER_CACHE_BYTES and, with `kernels`,
         route the model through cpu_kernels and cpu_linear; the undo restores the limit and
-        the model."""
+        the model. `positions`: the most a request's can reach (RoPE tables, cpu_rope)."""
         previous_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
         if previous_limit > BUFFER_CACHE_BYTES:
             mx.set_cache_limit(previous_limit)
-        uninstall_kernels = cpu_kernels.install(model) if self.kernels else None
+        uninstall_kernels = cpu_kernels.install(model, positions) if self.kernels else None
         small_rows = []
         if self.kernels and cpu_linear.agrees_with_stock():
             small_rows = cpu_linear.install(model)

@@ -274,11 +274,12 @@ def _key_spans(keys: int, per_key: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, keys)) for a in range(0, keys, size)]
 
 
-def install(model: nn.Module) -> Callable[[], None] | None:
+def install(model: nn.Module, positions: int | None = None) -> Callable[[], None] | None:
     """Use these kernels for `model` wherever its mlx-lm modules use the stock functions
     (a model's classes may come from several: Qwen3.5's MLP, attention and gated norm are
     Qwen3-Next's); returns a function that puts the stock ones back, or None. The CPU
-    backend calls it: the device was chosen there (`backends.select`)."""
+    backend calls it: the device was chosen there (`backends.select`). `positions`: the
+    RoPE tables' reservation (`cpu_rope.install`)."""
     stock = _stock_functions()
     fast = {
         "swiglu": swiglu,
@@ -300,7 +301,7 @@ def install(model: nn.Module) -> Callable[[], None] | None:
         swaps = [(m, name) for m, name in swaps if name != "gated_delta_update"]
     for module, name in swaps:
         setattr(module, name, fast[name])
-    ropes = cpu_rope.install(model) if cpu_rope.agrees_exactly() else []
+    ropes = cpu_rope.install(model, positions) if cpu_rope.agrees_exactly() else []
     logger.info(
         "CPU kernels in place of mlx-lm's %s; %d RoPE modules look up their angles",
         ", ".join(sorted({name for _, name in swaps})), len(ropes),
