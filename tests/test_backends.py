@@ -166,11 +166,11 @@ def test_blas_preload_can_come_before_mlx():
 def test_no_platform_checks_stand_in_for_the_device():
     """The device decides, not the OS: the `sys.platform` checks left in worker_mlx are about
     the OS itself: blas.py's (mlx on macOS links Accelerate whatever the device) and
-    kv_disk.py's writer priority (only Linux gives a thread its own nice value)."""
+    kv_disk_writer.py's writer priority (only Linux gives a thread its own nice value)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1] / "worker_mlx"
     found = [
         str(p.relative_to(root)) for p in root.rglob("*.py") if "sys.platform" in p.read_text()
     ]
-    assert sorted(found) == ["backends/blas.py", "kv_disk.py"]
+    assert sorted(found) == ["backends/blas.py", "kv_disk_writer.py"]

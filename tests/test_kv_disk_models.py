@@ -27,7 +27,7 @@ from tests.test_kv_disk_e2e import (
     _wait_saved,
 )
 from tests.test_lora import adapter_greedy
-from worker_mlx.kv_disk import RESCAN_SECONDS
+from worker_mlx.kv_disk_writer import RESCAN_SECONDS
 
 pytestmark = pytest.mark.slow
 

@@ -45,7 +45,8 @@ from common.distributed_plan import GROUP_BROKEN
 from common.kv_store.fingerprint import FINGERPRINT_CHARS
 from common.messages import BlocksLoaded, GroupInstall
 from common.protocol import encode
-from worker_mlx.kv_disk import DiskTier, ReadLoad, drain_wakes
+from worker_mlx.kv_disk import DiskTier, drain_wakes
+from worker_mlx.kv_disk_reader import ReadLoad
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class GroupDiskTier(DiskTier):
         answers = []
         while True:
             try:
-                read = self._read_done.get_nowait()
+                read = self.reader.done.get_nowait()
             except queue.Empty:
                 return answers
             self.forward(encode(GroupInstall(read.step)))
@@ -132,7 +133,7 @@ class GroupDiskTier(DiskTier):
     def install_step(self, step: int) -> None:
         """A rank > 0 at rank 0's GroupInstall: its own read of that LoadBatch (LoadBatches
         come in one order to every rank), then the group's agreement."""
-        read = self._read_done.get()
+        read = self.reader.done.get()
         if read.step != step:
             raise RuntimeError(f"kv disk: read LoadBatch {read.step}, rank 0 installs {step}")
         self._agree_install(read)
@@ -163,12 +164,11 @@ class GroupDiskTier(DiskTier):
                 "kv disk: block %s is missing or damaged on another rank; recomputing from "
                 "there", blocks[count][0].key,
             )  # fmt: skip
-            with self._lock:
-                self._errors["missing"] += 1
+            self.counts.error("missing")
         if not writable:
             self._stop_writing()
         if count < len(blocks):
-            read = self._assemble(read.step, blocks[:count])
+            read = self.reader.assemble(read.step, blocks[:count])
         return self._install_read(read)
 
     def _agree_writable(self) -> None:
