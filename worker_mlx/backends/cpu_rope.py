@@ -11,7 +11,7 @@ Inside `mx.compile` (the decode step) the table cannot be sized, so there it is 
 only when it was reserved at install for every position the server can reach (its
 context length, `reserve`): the compiled step then gathers two rows per call where the
 stock op computed cos and sin of every angle, about 13 fewer primitives a RoPE call and
-a batch-8 decode step of the small preset 1.18x faster (`benchmarks.one_batch`, A/B).
+a batch-8 decode step of the small preset 1.05-1.18x faster (`benchmarks.one_batch`, A/B).
 A table over MAX_RESERVED_BYTES is not reserved (the stock op runs in the compiled step);
 one-token calls with an int offset keep the stock op too.
 """
@@ -135,12 +135,13 @@ def install(
             if type(child) is nn.RoPE and not child.traditional:
                 swaps.append((parent, name, child))
     tables: dict[tuple, AngleTable] = {}
+    limit = positions or _max_positions(model)
     for parent, name, child in swaps:
         key = (child.dims, child.base, child.scale)
         if key not in tables:
             tables[key] = AngleTable(*key)
-            if positions or _max_positions(model):
-                tables[key].reserve(positions or _max_positions(model))
+            if limit:
+                tables[key].reserve(limit)
         setattr(parent, name, TableRoPE(child, tables[key]))
     return swaps
 
