@@ -130,13 +130,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_and_record(name: str, args: argparse.Namespace, run, report) -> int:
+    """A session benchmark's main: `run(args)`, its `report` printed and saved as a record
+    named `name` under `--out`."""
     result = run(args)
     text = report(result)
     print(text)
-    save_record(args.out, "kv_disk_restart", {"args": vars(args), "report": text, **result})
+    save_record(args.out, name, {"args": vars(args), "report": text, **result})
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_record("kv_disk_restart", parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,12 @@ import re
 import sys
 from pathlib import Path
 
-from benchmarks.kv_disk_restart import add_session_args, restart_session, tiny_model
-from benchmarks.soak import save_record
+from benchmarks.kv_disk_restart import (
+    add_session_args,
+    restart_session,
+    run_and_record,
+    tiny_model,
+)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -58,12 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    text = report(result)
-    print(text)
-    save_record(args.out, "kv_disk_windows", {"args": vars(args), "report": text, **result})
-    return 0
+    return run_and_record("kv_disk_windows", parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ from scheduler.cache import KVCacheManager
 from scheduler.disk_tier import DiskIndex
 from scheduler.request import Req
 from scheduler.sliding_windows import windowed_end
-from tests.test_kv_disk_worker import _answers
+from tests.test_kv_disk_worker import B, _answers, filled_pool
 from worker_mlx.kv_disk import DiskTier
 from worker_mlx.kv_pool import KVLayout, MlxKVPool
 
-B, W = 8, 12  # a window of one and a half blocks: the last two blocks before an end
+W = 12  # a window of one and a half blocks (B: 8-token blocks): the last two blocks before an end
 
 
 def _kv() -> KVCacheManager:
@@ -107,14 +107,7 @@ def test_a_locked_windowless_node_keeps_its_slots():
 
 
 def _window_pool() -> MlxKVPool:
-    layout = KVLayout(2, 2, 16, mx.float32, windows=(W, None))
-    pool = MlxKVPool(layout, 64)
-    rng = np.random.default_rng(0)
-    for layer in range(2):
-        k, v = (mx.array(rng.standard_normal((B, 2, 16)).astype(np.float32)) for _ in "kv")
-        pool.write(layer, mx.arange(1, B + 1), k, v)
-    mx.eval(pool.arrays())
-    return pool
+    return filled_pool(KVLayout(2, 2, 16, mx.float32, windows=(W, None)))
 
 
 def test_the_worker_stores_and_reads_the_sliding_layers_apart(tmp_path):

@@ -22,15 +22,20 @@ from worker_mlx.state_pool import StateLayout, StatePool
 B = 8
 
 
-def _pool(kv_cache_dtype: str) -> MlxKVPool:
-    layout = KVLayout(2, 2, 64, mx.float32, kv_cache_dtype=kv_cache_dtype)
+def filled_pool(layout: KVLayout) -> MlxKVPool:
+    """A 64-slot pool whose slots 1..B hold seeded K/V in every layer."""
     pool = MlxKVPool(layout, 64)
     rng = np.random.default_rng(0)
-    for layer in range(2):
-        k, v = (mx.array(rng.standard_normal((B, 2, 64)).astype(np.float32)) for _ in "kv")
+    shape = (B, layout.n_kv_heads, layout.head_dim)
+    for layer in range(layout.num_layers):
+        k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)) for _ in "kv")
         pool.write(layer, mx.arange(1, B + 1), k, v)
     mx.eval(pool.arrays())
     return pool
+
+
+def _pool(kv_cache_dtype: str) -> MlxKVPool:
+    return filled_pool(KVLayout(2, 2, 64, mx.float32, kv_cache_dtype=kv_cache_dtype))
 
 
 def _stored(pool: MlxKVPool, slots: list[int]) -> list[np.ndarray]:

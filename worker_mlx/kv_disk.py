@@ -225,12 +225,11 @@ class DiskTier:
     def _install(self, read: ReadLoad) -> None:
         """A load's tokens into their slots (and the states), copied by numpy straight into
         the pool's memory: a slice per run of consecutive slots, an indexed copy for the
-        rest. Through MLX (an array per part, a slice update per run, an eval) the same
-        copy took 2-3 ms of the MLX thread for 1k tokens of the small model, numpy 0.4.
-        Nothing else touches these slots (the scheduler admits their prompt only once
-        this load is answered), and whatever MLX still has to write into a part runs
-        first (`_bytes_view`), so no pending update copies a buffer from before these
-        writes."""
+        rest (through MLX, an array per part, a slice update per run and an eval held the
+        MLX thread several times as long: docs/performance.md). Nothing else touches these
+        slots (the scheduler admits their prompt only once this load is answered), and
+        whatever MLX still has to write into a part runs first (`_bytes_view`), so no
+        pending update copies a buffer from before these writes."""
         parts = iter(read.parts)
         runs: dict[tuple[int, ...], list] = {}  # slots -> their (pool rows, load rows)
         for pool in self.pools:

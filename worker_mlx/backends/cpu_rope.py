@@ -10,8 +10,7 @@ the output is bit-identical (`agrees_exactly` checks it before anything is swapp
 Inside `mx.compile` (the decode step) the table cannot be sized, so there it is looked up
 only when it was reserved at install for every position the server can reach (its
 context length, `reserve`): the compiled step then gathers two rows per call where the
-stock op computed cos and sin of every angle, about 13 fewer primitives a RoPE call and
-a batch-8 decode step of the small preset 1.05-1.18x faster (`benchmarks.one_batch`, A/B).
+stock op computed cos and sin of every angle (docs/performance.md has the step's gain).
 A table over MAX_RESERVED_BYTES is not reserved (the stock op runs in the compiled step);
 one-token calls with an int offset keep the stock op too.
 """
