@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import load_model, mlx_greedy, runner_greedy
-from worker_mlx.backends import cpu_kernels
+from worker_mlx.backends import cpu_kernels, cpu_split
 from worker_mlx.backends.cpu_kernels import fast_exp, scaled_dot_product_attention, swiglu
 
 
@@ -227,14 +227,20 @@ def test_quantized_kv_keeps_the_stock_path(tiny_model):
         assert mx.allclose(got, want, atol=1e-5).item()
 
 
-@pytest.mark.parametrize("spans", [False, True], ids=["whole", "spans"])
-def test_batched_runner_with_kernels_matches_stock_generation(small_model, spans, monkeypatch):
+@pytest.mark.parametrize("form", ["whole", "spans", "halves"])
+def test_batched_runner_with_kernels_matches_stock_generation(small_model, form, monkeypatch):
     """Eight requests batched through the ModelRunner with the kernels on (decode rows at
     batch 8 take the vectorised SwiGLU and one-query attention) against stock mlx-lm;
     `spans`: with the small-matrix size lowered so that these contexts' decode attention
-    goes in spans of keys, as 4k tokens and more of the medium preset's do."""
-    if spans:
+    goes in spans of keys, as 4k tokens and more of the medium preset's do; `halves`: every
+    decode attention split between two streams (cpu_split), as long contexts' are."""
+    if form == "spans":
         monkeypatch.setattr(cpu_kernels, "SMALL_MNK", 64 * 2 * 64)
+    if form == "halves":
+        monkeypatch.setattr(cpu_split, "MIN_BYTES", 0)
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+        monkeypatch.setattr(cpu_split, "_second", None)  # put back after the test
+        cpu_split.install()
     rng = random.Random(11)
     prompts = [
         [rng.randrange(3, 500) for _ in range(n)] for n in (5, 40, 90, 160, 250, 330, 410, 520)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from worker_mlx.backends import cpu_kernels, cpu_linear
+from worker_mlx.backends import cpu_kernels, cpu_linear, cpu_split
 from worker_mlx.backends.base import Backend
 
 logger = logging.getLogger("worker")
@@ -68,11 +68,14 @@ class CpuBackend(Backend):
         small_rows = []
         if self.kernels and cpu_linear.agrees_with_stock():
             small_rows = cpu_linear.install(model)
+        unsplit = cpu_split.install() if self.kernels else None
 
         def undo() -> None:
             if uninstall_kernels is not None:
                 uninstall_kernels()
             cpu_linear.uninstall(small_rows)
+            if unsplit is not None:
+                unsplit()
             mx.set_cache_limit(previous_limit)
 
         return undo

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from worker_mlx.backends import cpu_gated_delta, cpu_rope
+from worker_mlx.backends import cpu_gated_delta, cpu_rope, cpu_split
 from worker_mlx.backends.cpu_linear import SMALL_MNK
 
 logger = logging.getLogger("worker")
@@ -244,7 +244,20 @@ def _grouped(mask: mx.array, Hk: int, rep: int) -> mx.array:
 def _one_query_attention(
     q: mx.array, keys: mx.array, values: mx.array, mask, sinks: mx.array | None
 ) -> mx.array:
-    """Decode: one query per row. Scores as keys @ q^T, (S, D) x (D, rep), run 2-3x faster
+    """Decode: one query per row, half of the rows on each of two threads where their K/V
+    is big (cpu_split)."""
+
+    def rows(part: slice) -> mx.array:
+        m = mask[part] if mask is not None and mask.shape[0] > 1 else mask
+        return _rows_attention(q[part], keys[part], values[part], m, sinks)
+
+    return cpu_split.halves(rows, q.shape[0], keys.nbytes + values.nbytes)
+
+
+def _rows_attention(
+    q: mx.array, keys: mx.array, values: mx.array, mask, sinks: mx.array | None
+) -> mx.array:
+    """One query per row. Scores as keys @ q^T, (S, D) x (D, rep), run 2-3x faster
     in OpenBLAS than q @ keys^T on a strided key buffer; they are turned back to (rep, S)
     rows, a small copy, because MLX's softmax runs 20% slower down columns. Long float32
     contexts go in spans of keys (`_key_spans`)."""

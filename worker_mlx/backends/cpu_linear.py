@@ -22,6 +22,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from worker_mlx.backends import cpu_split
+
 # OpenBLAS's small-matrix kernels take an sgemm of at most this many multiply-adds
 # (sgemm_small_kernel_permit: M * N * K <= 100^3)
 SMALL_MNK = 100**3
@@ -56,7 +58,9 @@ def small_rows_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
     blocks = weight.reshape(n // block, block, k)
     # x as a batch of one: a 2-D right operand lets mlx fold the blocks back into one
     # (n, k) sgemm, the blocked path again
-    out = blocks @ x.reshape(rows, k).T[None]  # (n / block, block, rows)
+    x_t = x.reshape(rows, k).T[None]
+    # (n / block, block, rows), half of the blocks on each of two threads (cpu_split)
+    out = cpu_split.halves(lambda part: blocks[part] @ x_t, n // block, weight.nbytes)
     return out.reshape(n, rows).T.reshape(*lead, n)
 
 

@@ -1,0 +1,75 @@
+"""A decode step's big reads in two halves, on two CPU streams, so both cores read memory.
+
+A decode step reads every weight once and each row's K/V once, and on the CPU each of
+those products runs on one thread: the few-row linear layers as OpenBLAS's small-matrix
+kernel (cpu_linear), the one-query attention as one small product per head (cpu_kernels).
+One core reads at about half the machine's bandwidth, so the step took about twice its
+memory floor (docs/performance.md, issue 32). MLX runs each stream's work on a thread of
+its own: a second CPU stream takes half of each big product (half of a weight's row
+blocks, half of the rows' attention), the step's default stream the other half, and the
+halves join in one concatenation. Each half is the same product as before, so the result
+is bit-identical.
+
+Only products that read at least MIN_BYTES are split: smaller ones stay in the caches from
+step to step, where the second stream's hand-offs cost more than they save. `install`
+makes the stream when the process may use two threads (OPENBLAS_NUM_THREADS, which a
+distributed worker's ranks on one host share out, else the cores it may run on).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import mlx.core as mx
+
+# Bytes a product must read before it is split: the medium preset's weights (4-12 MiB)
+# and K/V past ~1k tokens at batch 8 are; the small preset's weights are not.
+MIN_BYTES = 4 << 20
+
+_made: mx.Stream | None = None  # made once: each stream is a thread for the process's life
+_second: mx.Stream | None = None  # _made while installed
+
+
+def threads() -> int:
+    """The threads this process may compute on: OPENBLAS_NUM_THREADS if set, else its cores."""
+    given = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def install() -> Callable[[], None]:
+    """Make the second stream if this process has two threads to compute on; the undo
+    turns the splitting off (the stream itself lives as long as the process)."""
+    global _made, _second
+    if threads() >= 2:
+        _made = _made or mx.new_stream(mx.cpu)
+        _second = _made
+
+    def undo() -> None:
+        global _second
+        _second = None
+
+    return undo
+
+
+def second_stream(nbytes: int) -> mx.Stream | None:
+    """The stream for the second half of a product reading `nbytes`, or None: unsplit."""
+    return _second if nbytes >= MIN_BYTES else None
+
+
+def halves(compute: Callable[[slice], mx.array], n: int, nbytes: int, axis: int = 0) -> mx.array:
+    """compute(slice(0, n)), as compute of the first half on the current stream and of
+    the second on the second stream, joined along `axis`; whole where not split."""
+    stream = second_stream(nbytes) if n >= 2 else None
+    if stream is None:
+        return compute(slice(0, n))
+    h = n // 2
+    first = compute(slice(0, h))
+    with mx.stream(stream):
+        rest = compute(slice(h, n))
+    return mx.concatenate([first, rest], axis=axis)
