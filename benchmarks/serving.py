@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
+import uvloop
 
 from benchmarks import agent_sessions
 from benchmarks.conversations import ChatSender, ResponsesSender
@@ -467,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model(args, loop)
         names = ", ".join(dict.fromkeys(p.backend for p in mine))
         print(f"model {model}; {len(mine)} run(s) on {names}", flush=True)
-        results += asyncio.run(run_plan(mine, args, model, load_tokenizer(model)))
+        # uvloop: the load generator's CPU is taken from the server under test
+        results += uvloop.run(run_plan(mine, args, model, load_tokenizer(model)))
     status = report(results, args)
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f} s")
     return status

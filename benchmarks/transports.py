@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import aiohttp
 
 from benchmarks.records import Prompt, RequestResult
 from benchmarks.workloads import Clock
@@ -13,16 +13,32 @@ from benchmarks.workloads import Clock
 
 class HttpSender:
     """POST /v1/completions with SSE; text prompts for servers that only take text.
-    Greedy unless `sampling` gives other body fields (`{"temperature": 1.0}`)."""
+    Greedy unless `sampling` gives other body fields (`{"temperature": 1.0}`).
+
+    aiohttp, as SGLang's bench_serving: on a 2-core machine the load generator's CPU is
+    taken from the server under test, and httpx's streaming took about twice aiohttp's per
+    event (docs/performance.md, issue 32)."""
 
     def __init__(
         self, url: str, text_prompts: bool, connections: int, sampling: dict | None = None
     ):
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        timeout = httpx.Timeout(1800, connect=30)
-        self.client = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout)
+        self.url = url
+        self.connections = connections
+        self._session: aiohttp.ClientSession | None = None
         self.text_prompts = text_prompts
         self.sampling = sampling or {}
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        # made on first use: a session belongs to the running loop
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                base_url=self.url,
+                connector=aiohttp.TCPConnector(limit=self.connections),
+                timeout=aiohttp.ClientTimeout(total=1800, connect=30),
+                read_bufsize=1 << 20,
+            )
+        return self._session
 
     async def send(self, prompt: Prompt, out_len: int, res: RequestResult, clock: Clock) -> None:
         body = {
@@ -34,16 +50,16 @@ class HttpSender:
             "stream_options": {"include_usage": True},
             **self.sampling,
         }
-        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {text[:300]}"
+        async with self.client.post("/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
+                res.error = f"HTTP {resp.status}: {text[:300]}"
                 return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
                     continue  # blank separators and mlx_lm.server's ": keepalive" comments
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     return
                 self._event(json.loads(data), res, clock)
         res.error = res.error or "stream ended without [DONE]"
@@ -71,7 +87,8 @@ class HttpSender:
             )
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 class SdkSender:
