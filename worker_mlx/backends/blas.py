@@ -57,10 +57,11 @@ def rank_threads(ranks_on_host: int) -> dict[str, str]:
     (nothing for one rank, or when OPENBLAS_NUM_THREADS is set)."""
     if ranks_on_host <= 1 or "OPENBLAS_NUM_THREADS" in os.environ:
         return {}
-    return {"OPENBLAS_NUM_THREADS": str(max(1, _cores() // ranks_on_host))}
+    return {"OPENBLAS_NUM_THREADS": str(max(1, cores() // ranks_on_host))}
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

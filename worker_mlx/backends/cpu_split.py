@@ -23,8 +23,11 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from worker_mlx.backends.blas import cores
+
 # Bytes a product must read before it is split: the medium preset's weights (4-12 MiB)
-# and K/V past ~1k tokens at batch 8 are; the small preset's weights are not.
+# are, the small preset's (at most 0.75 MiB) are not; at batch 8 the small preset's K/V
+# is past 512 tokens of context, the medium preset's past 64.
 MIN_BYTES = 4 << 20
 
 _made: mx.Stream | None = None  # made once: each stream is a thread for the process's life
@@ -34,12 +37,7 @@ _second: mx.Stream | None = None  # _made while installed
 def threads() -> int:
     """The threads this process may compute on: OPENBLAS_NUM_THREADS if set, else its cores."""
     given = os.environ.get("OPENBLAS_NUM_THREADS", "")
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return int(given) if given.isdigit() and int(given) > 0 else cores()
 
 
 def install() -> Callable[[], None]:
@@ -62,9 +60,9 @@ def second_stream(nbytes: int) -> mx.Stream | None:
     return _second if nbytes >= MIN_BYTES else None
 
 
-def halves(compute: Callable[[slice], mx.array], n: int, nbytes: int, axis: int = 0) -> mx.array:
+def halves(compute: Callable[[slice], mx.array], n: int, nbytes: int) -> mx.array:
     """compute(slice(0, n)), as compute of the first half on the current stream and of
-    the second on the second stream, joined along `axis`; whole where not split."""
+    the second on the second stream, joined along the first axis; whole where not split."""
     stream = second_stream(nbytes) if n >= 2 else None
     if stream is None:
         return compute(slice(0, n))
@@ -72,4 +70,4 @@ def halves(compute: Callable[[slice], mx.array], n: int, nbytes: int, axis: int 
     first = compute(slice(0, h))
     with mx.stream(stream):
         rest = compute(slice(h, n))
-    return mx.concatenate([first, rest], axis=axis)
+    return mx.concatenate([first, rest])
