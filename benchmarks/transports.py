@@ -16,7 +16,7 @@ class HttpSender:
     Greedy unless `sampling` gives other body fields (`{"temperature": 1.0}`).
 
     aiohttp, as SGLang's bench_serving: on a 2-core machine the load generator's CPU is
-    taken from the server under test, and httpx's streaming took about twice aiohttp's per
+    taken from the server under test, and httpx's streaming took 1.5x aiohttp's CPU per
     event (docs/performance.md, issue 32)."""
 
     def __init__(

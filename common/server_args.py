@@ -126,7 +126,7 @@ class ServerArgs:
         False, "never let the worker compute a decode step before it is asked for"
     )
     disable_cpu_kernels: bool = flag(
-        False, "on the CPU, keep mlx's own exp and an uncompiled decode step (slower; see docs)"
+        False, "on the CPU, keep mlx's own kernels and an uncompiled decode step (slower; see docs)"
     )
     context_length: int | None = flag(None, "override the model's context length")
     tp_size: int = flag(

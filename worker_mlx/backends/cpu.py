@@ -8,7 +8,9 @@ Its numbers were measured on x86 Linux (docs/architecture.md, "the CPU fast path
   computing them (batch 8 at 300 tokens: 8.9 -> 4.9 ms a step on the small model);
 - a 1 GiB buffer cache, the vectorised exp (cpu_kernels) and the RoPE table (cpu_rope);
 - few-row linear layers as blocks of weight rows (cpu_linear): a batch-8 step of the
-  medium preset 0.5x as long at short context (docs/performance.md, issue 32).
+  medium preset 0.5x as long at short context (docs/performance.md, issue 32);
+- a decode step's big products in halves on two CPU streams (cpu_split): that step 0.6x
+  as long again, at 1k and 8k tokens of context.
 
 --max-memory defaults to the memory the OS reports available at start (MemAvailable)
 less a margin for the router, the scheduler and the page cache: 10%, at least 512 MiB.
@@ -59,8 +61,9 @@ class CpuBackend(Backend):
 
     def install(self, model: nn.Module, positions: int | None = None) -> Callable[[], None]:
         """Raise (never lower) mlx's buffer cache to BUFFER_CACHE_BYTES and, with `kernels`,
-        route the model through cpu_kernels and cpu_linear; the undo restores the limit and
-        the model. `positions`: the most a request's can reach (RoPE tables, cpu_rope)."""
+        route the model through cpu_kernels, cpu_linear and cpu_split; the undo restores
+        the limit and the model. `positions`: the most a request's can reach (RoPE
+        tables, cpu_rope)."""
         previous_limit = mx.set_cache_limit(BUFFER_CACHE_BYTES)
         if previous_limit > BUFFER_CACHE_BYTES:
             mx.set_cache_limit(previous_limit)
@@ -86,8 +89,9 @@ class CpuBackend(Backend):
 
 
 def profile(kernels: bool = True) -> CpuBackend:
-    """The CPU profile. `kernels=False` is --disable-cpu-kernels: mlx's own exp and RoPE
-    and an uncompiled decode step (the buffer cache is raised either way)."""
+    """The CPU profile. `kernels=False` is --disable-cpu-kernels: mlx's own exp, RoPE and
+    linear layers on one stream, and an uncompiled decode step (the buffer cache is raised
+    either way)."""
     return CpuBackend(
         name="cpu",
         prefill_step=PREFILL_STEP,
