@@ -95,7 +95,8 @@ def checked_server(model: str, log_path: Path, extra: list[str]):
         alive = srv.proc.poll() is None
         srv.stop()
     assert alive, "the server died during the tests:\n" + srv.log()[-3000:]
-    assert "Traceback" not in srv.log()
+    log = srv.log()
+    assert "Traceback" not in log, log[max(0, log.find("Traceback") - 2000) :][:6000]
 
 
 class ReplicaProcess(ServerProcess):

@@ -152,10 +152,7 @@ def serve(
             continue  # not a step: nothing to answer, nothing new to compute ahead
         if reply is not None and outbox is not None:
             outbox.send(encode(_with_reports(reply, engine, probe, disk)))
-        if probe is not None:
-            probe.after(msg)  # at the same point on every rank, before the lookahead
-        # (not in a group: every rank must run the same steps, whatever came when)
-        _run_ahead(engine, probe is None and bool(inbox.poll(0)))
+        _follow_up(engine, msg, step, probe, probe is None and bool(inbox.poll(0)))
         after_step()
 
 
@@ -170,6 +167,22 @@ def _with_reports(reply, engine, probe, disk):
     if vision is not None and isinstance(reply, StepResult):
         reply.vision_counts = [vision.tower_runs, vision.cache_hits]
     return reply
+
+
+def _follow_up(engine, msg, step: int, probe, held: bool) -> None:
+    """After the reply: the group's timing of its collectives, at the same point on every
+    rank, then the lookahead (`held` is always False in a group: every rank must run the
+    same steps, whatever came when). Both run collectives, so a peer lost meanwhile ends
+    the rank as in `execute`, not with an uncaught traceback."""
+    try:
+        if probe is not None:
+            probe.after(msg)
+        _run_ahead(engine, held)
+    except Exception as exc:
+        if probe is None:
+            raise
+        logger.error("after step %d: failed in the group (%s); exiting", step, exc)
+        raise SystemExit(GROUP_BROKEN) from exc
 
 
 def _run_ahead(engine, held: bool) -> None:
