@@ -32,8 +32,9 @@ from common.messages import (
 )
 from common.protocol import encode
 from router.client import Client, RadixMLXError
+from router.serving.supervisor import STANDBY_IDLE
 from tests.conftest import mlx_greedy
-from tests.server import ServerProcess
+from tests.server import ServerProcess, title_role
 from tests.test_metrics import PREFIX, scrape, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -251,6 +252,43 @@ def test_a_restart_releases_the_standbys_and_spawns_new_ones(server, tiny_model)
     for name, pid in standbys.items():  # the standby now serves, under the role's title
         assert server.child(name) == pid
         assert server.child(f"{name}-standby", 60) not in standbys.values()
+
+
+def test_standbys_wait_for_a_quiet_moment(tiny_model, tmp_path):
+    """Spawned as the server became ready, the standbys' imports took a core from the first
+    requests: they come once nothing was in flight for STANDBY_IDLE."""
+    srv = ServerProcess(tiny_model, tmp_path / "server.log")
+    srv.start()
+    try:
+        stop = time.monotonic() + STANDBY_IDLE + 3
+        seen: list[str] = []
+
+        def send() -> None:
+            while time.monotonic() < stop:
+                r = httpx.post(srv.url + "/v1/completions", json=_body([5, 6, 7], 16), timeout=60)
+                assert r.status_code == 200, r.text
+
+        senders = [threading.Thread(target=send) for _ in range(2)]
+        for t in senders:
+            t.start()
+        while any(t.is_alive() for t in senders):
+            seen += _standby_roles(srv)
+            time.sleep(0.1)
+        assert not seen, "a standby was spawned while requests were in flight"
+        assert srv.child("worker-standby", STANDBY_IDLE + 60)  # and once it was quiet
+        assert srv.child("scheduler-standby")
+    finally:
+        srv.stop()
+
+
+def _standby_roles(srv: ServerProcess) -> list[str]:
+    roles = []
+    for pid in srv.children():
+        try:
+            roles.append(title_role(open(f"/proc/{pid}/cmdline", "rb").read()))
+        except FileNotFoundError:
+            continue
+    return [role for role in roles if role.endswith("-standby")]
 
 
 def test_a_dead_standby_is_replaced_by_a_fresh_spawn(server, tiny_model):
