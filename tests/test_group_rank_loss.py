@@ -14,11 +14,10 @@ import textwrap
 from common.distributed_plan import GROUP_BROKEN
 from common.server_args import ServerArgs
 from router.serving.worker_group import local_group
-from tests.server import free_ports
 
 RANK = textwrap.dedent(
     """
-    import pickle, sys, time, types
+    import pickle, sys, types
     from common.log import setup_logging
     from common.messages import DecodeBatch
     from worker_mlx.distributed import CollectiveProbe, join_group
@@ -29,7 +28,7 @@ RANK = textwrap.dedent(
     rank = join_group(spec)
     if spec.rank == 1:
         sys.exit(0)  # the peer lost: its sockets close
-    time.sleep(1.0)
+    sys.stdin.readline()  # the test says when rank 1 is gone
     args = types.SimpleNamespace(hidden_size=8, num_hidden_layers=2)
     probe = CollectiveProbe(rank, types.SimpleNamespace(args=args))
     msg = DecodeBatch(step=7, rids=["a"], out_cache_loc=[0])
@@ -41,18 +40,19 @@ RANK = textwrap.dedent(
 def test_a_peer_lost_while_timing_the_collectives_ends_the_rank_with_one_line(tmp_path):
     # pipeline parallel: its send fails at once on a closed peer (a tensor-parallel
     # all_sum may wait instead, until the supervisor ends the rank)
-    args = ServerArgs(model_path="m", pp_size=2, dist_port=free_ports(1)[0])
-    specs = local_group(args, str(tmp_path), "ipc")
+    specs = local_group(ServerArgs(model_path="m", pp_size=2), str(tmp_path), "ipc")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RANK, pickle.dumps(spec).hex()],
+            stdin=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for spec in specs
     ]
-    outs = [p.communicate(timeout=120)[1] for p in procs]
-    assert procs[1].returncode == 0, outs[1]
-    assert procs[0].returncode == GROUP_BROKEN, outs[0]
-    assert "after step 7: failed in the group" in outs[0], outs[0]
-    assert "Traceback" not in outs[0], outs[0]
+    gone = procs[1].communicate(timeout=120)[1]  # joined the group, then exited
+    assert procs[1].returncode == 0, gone
+    out = procs[0].communicate("go\n", timeout=120)[1]
+    assert procs[0].returncode == GROUP_BROKEN, out
+    assert "after step 7: failed in the group" in out, out
+    assert "Traceback" not in out, out
