@@ -5,10 +5,10 @@ about 1 s on an idle core, 5 s on a loaded one) while loading a small model take
 So once the children are ready and the replica has had nothing in flight for a moment
 (`Supervisor.watch`: spawned at once, their imports slowed the first requests), the
 supervisor spawns one standby per role; a standby does its imports and then waits to be
-released. A restart releases the standbys instead
-of spawning, which leaves the model load and the start-up self-check. A standby costs an
-idle process (about 80 MiB for the worker, 20 MiB for the scheduler) and exits with its
-parent or on STOP_SIGNAL, as the children do.
+released. A restart releases the standbys instead of spawning, which leaves the model
+load and the start-up self-check. A standby costs an idle process (about 80 MiB for the
+worker, 20 MiB for the scheduler) and exits with its parent or on STOP_SIGNAL, as the
+children do.
 """
 
 from __future__ import annotations
