@@ -48,7 +48,7 @@ class FieldTypeError(ProtocolError):
 
 def encode(msg: Any) -> bytes:
     """Serialise a registered message dataclass to one msgpack frame."""
-    body = _to_wire(msg)
+    body = _encoder(type(msg))(msg)
     body[TYPE_KEY] = type(msg).__name__
     body[VERSION_KEY] = PROTOCOL_VERSION
     return msgpack.packb(body, use_bin_type=True)
@@ -73,7 +73,10 @@ def decode(frame: bytes, registry: dict[str, type]) -> Any:
         raise VersionMismatchError(
             f"{tag}: protocol version {version!r}, this process speaks {PROTOCOL_VERSION}"
         )
-    return _from_wire(cls, body, tag)
+    try:
+        return _decoder(cls)(body)
+    except _Invalid:  # the generic path names the field and raises the specific error
+        return _from_wire(cls, body, tag)
 
 
 def _peek(frame: bytes) -> dict:
@@ -106,6 +109,102 @@ def peek_rids(frame: bytes) -> list[str]:
     if isinstance(outputs, list):
         rids += [o.get("rid") for o in outputs if isinstance(o, dict)]
     return [r for r in rids if isinstance(r, str)]
+
+
+# Compiled codecs, one per message class: the messages of every step (a TokenOutBatch of
+# a batch's rows, a DecodeBatch and its StepResult) are encoded and decoded in the
+# scheduler, the worker and the router per step, and the generic walk below (field
+# reflection, type-hint dispatch and a path string per field) took 150 us for a batch of
+# 8 TokenOuts. The compiled ones check the same things; on any failure the generic
+# `_from_wire` runs again to say which field is wrong.
+
+
+class _Invalid(Exception):
+    pass
+
+
+@functools.cache
+def _encoder(cls: type):
+    hints = typing.get_type_hints(cls)
+    plan = [(f.name, _value_encoder(hints[f.name])) for f in dataclasses.fields(cls)]
+
+    def encode_fields(obj: Any) -> dict:
+        body = {}
+        for name, convert in plan:
+            value = getattr(obj, name)
+            body[name] = value if convert is None or value is None else convert(value)
+        return body
+
+    return encode_fields
+
+
+def _value_encoder(hint: Any):
+    """None when a value of `hint` goes to msgpack as it is."""
+    if dataclasses.is_dataclass(hint):
+        return _encoder(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [_value_encoder(a) for a in args if a is not type(None)]
+        return inner[0] if len(inner) == 1 else _to_wire
+    if origin is list:
+        item = _value_encoder(args[0]) if args else _to_wire
+        return None if item is None else (lambda value: [item(x) for x in value])
+    if hint is Any or origin is not None:
+        return _to_wire  # (anything may hold a dataclass)
+    return None
+
+
+@functools.cache
+def _decoder(cls: type):
+    plan = [(name, _checker(hint), required) for name, hint, required in _field_specs(cls)]
+
+    def decode_fields(body: dict) -> Any:
+        if type(body) is not dict:
+            raise _Invalid
+        kwargs = {}
+        for name, check, required in plan:
+            if name in body:
+                kwargs[name] = body[name] if check is None else check(body[name])
+            elif required:
+                raise _Invalid
+        return cls(**kwargs)
+
+    return decode_fields
+
+
+def _checker(hint: Any):
+    """A function validating a value of `hint` as `_check` does (raising _Invalid), or
+    None when any value is valid."""
+    if hint is Any:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or type(None) not in args:
+            return _invalid
+        check = _checker(inner[0])
+        return None if check is None else (lambda v: None if v is None else check(v))
+    if origin is list:
+        (item,) = args or (Any,)
+        if item in (int, str):
+            return lambda v: v if type(v) is list and set(map(type, v)) <= {item} else _invalid()
+        check = _checker(item)
+        if check is None:
+            return lambda v: v if type(v) is list else _invalid()
+        return lambda v: [check(x) for x in v] if type(v) is list else _invalid()
+    if origin is dict:
+        return lambda v: v if isinstance(v, dict) else _invalid()
+    if dataclasses.is_dataclass(hint):
+        return _decoder(hint)
+    if hint is float:
+        return lambda v: float(v) if type(v) in (int, float) else _invalid()
+    if hint is int:
+        return lambda v: v if type(v) is int else _invalid()
+    return lambda v: v if isinstance(v, hint) else _invalid()
+
+
+def _invalid(*_: Any) -> Any:
+    raise _Invalid
 
 
 def _to_wire(obj: Any) -> Any:
