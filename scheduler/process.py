@@ -11,6 +11,7 @@ process exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -50,6 +51,10 @@ from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("scheduler")
 STATS_INTERVAL = 0.5  # seconds between SchedulerStats when nothing changed (a heartbeat)
+# Seconds between SchedulerStats whose only change is token_usage, which changes at every
+# decode step: a message per step cost the scheduler and the router more CPU than the
+# gauge's freshness is worth (a request's start and finish still send at once).
+USAGE_INTERVAL = 0.05
 
 
 class SchedulerProcess:
@@ -93,7 +98,8 @@ class SchedulerProcess:
         )
         logger.info("ready: KV pool %d tokens, context %d", ready.num_slots, sched.context_len)
         while True:
-            self._poll(timeout_ms=0 if sched.busy else int(STATS_INTERVAL * 1000))
+            idle_wait = USAGE_INTERVAL if sched.stats() != self._sent_stats else STATS_INTERVAL
+            self._poll(timeout_ms=0 if sched.busy else int(idle_wait * 1000))
             update = sched.lora_updates.take(sched.reqs.values())
             if update is not None:
                 self._update_lora(update)
@@ -267,10 +273,17 @@ class SchedulerProcess:
                 self.to_router.send(encode(other))
 
     def _send_stats(self, stats) -> None:
-        """When they changed (so a scrape is current within one step), and every
-        STATS_INTERVAL (so a restarted router-side view catches up)."""
-        now = time.monotonic()
-        if stats != self._sent_stats or now - self._last_stats >= STATS_INTERVAL:
+        """When they changed (so a scrape is current within one step; token_usage alone
+        within USAGE_INTERVAL), and every STATS_INTERVAL (so a restarted router-side view
+        catches up)."""
+        now, sent = time.monotonic(), self._sent_stats
+        if stats == sent:
+            due = now - self._last_stats >= STATS_INTERVAL
+        elif sent is not None and dataclasses.replace(stats, token_usage=sent.token_usage) == sent:
+            due = now - self._last_stats >= USAGE_INTERVAL
+        else:
+            due = True
+        if due:
             self._last_stats, self._sent_stats = now, stats
             self.to_router.send(encode(stats))
 
