@@ -98,8 +98,7 @@ class SchedulerProcess:
         )
         logger.info("ready: KV pool %d tokens, context %d", ready.num_slots, sched.context_len)
         while True:
-            idle_wait = USAGE_INTERVAL if sched.stats() != self._sent_stats else STATS_INTERVAL
-            self._poll(timeout_ms=0 if sched.busy else int(idle_wait * 1000))
+            self._poll(timeout_ms=0 if sched.busy else int(STATS_INTERVAL * 1000))
             update = sched.lora_updates.take(sched.reqs.values())
             if update is not None:
                 self._update_lora(update)
@@ -274,8 +273,8 @@ class SchedulerProcess:
 
     def _send_stats(self, stats) -> None:
         """When they changed (so a scrape is current within one step; token_usage alone
-        within USAGE_INTERVAL), and every STATS_INTERVAL (so a restarted router-side view
-        catches up)."""
+        within USAGE_INTERVAL while steps run, or at the heartbeat), and every
+        STATS_INTERVAL (so a restarted router-side view catches up)."""
         now, sent = time.monotonic(), self._sent_stats
         if stats == sent:
             due = now - self._last_stats >= STATS_INTERVAL

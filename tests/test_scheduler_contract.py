@@ -436,3 +436,23 @@ def test_bench_scheduler_smoke(tmp_path):
     )
     row = json.loads(out.read_text().splitlines()[-1])
     assert row["decode_step_ms_median"] > 0 and row["trie_tokens_per_s"] > 0
+
+
+def test_token_usage_alone_is_reported_at_most_every_usage_interval(make_harness):
+    """token_usage changes at every decode step; SchedulerStats that change nothing else go
+    out at most every USAGE_INTERVAL, any other change at once: the stats that show the
+    request finished come before its last token."""
+    from scheduler.process import USAGE_INTERVAL
+
+    h = make_harness(1024)
+    h.submit("a", toks(random.Random(3), 20), 400)
+    start = time.monotonic()
+    h.wait_done()
+    took = time.monotonic() - start
+    during = [s for s, done in h.stats if done == 0 and s.num_running == 1]
+    assert h.worker.counts["decode"] >= 399
+    # one per interval at most, and the first step's; every step's usage differed
+    assert len(during) <= took / USAGE_INTERVAL + 2, (len(during), took)
+    assert any(s.num_running == 0 for s, done in h.stats if done == 0)  # before the last token
+    h.wait_idle()
+    h.verify()
