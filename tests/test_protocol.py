@@ -827,7 +827,7 @@ def test_a_lora_update_names_what_makes_it_unusable():
 
 # ---------------------------------------------------------------- the compiled codec
 
-# Values a mutated field may take: every msgpack type, nested once.
+# Values a mutated field may take: every msgpack type, in lists and maps.
 junk = st.recursive(
     st.none() | st.booleans() | ints | st.floats(allow_nan=False) | st.text(max_size=4),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
@@ -835,11 +835,11 @@ junk = st.recursive(
 )
 
 
-def _mutations(draw_body: dict, draw) -> dict:
+def _mutations(body: dict, draw) -> dict:
     """The body with one field (of it, of a nested map or of a list's map) replaced,
     dropped, or one item of a list field replaced."""
-    maps = [draw_body]
-    for value in draw_body.values():
+    maps = [body]
+    for value in body.values():
         maps += [value] if isinstance(value, dict) else []
         maps += [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
     target = draw(st.sampled_from(maps))
@@ -852,7 +852,7 @@ def _mutations(draw_body: dict, draw) -> dict:
             del target[key]
         else:
             target[key] = draw(junk)
-    return draw_body
+    return body
 
 
 @settings(max_examples=400, deadline=None)
