@@ -180,7 +180,7 @@ def _checker(hint: Any):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1 or type(None) not in args:
+        if len(inner) != 1:  # unions of several types go to the generic walk
             return _invalid
         check = _checker(inner[0])
         return None if check is None else (lambda v: None if v is None else check(v))
