@@ -3,13 +3,15 @@ bit-identical to the unsplit product, split only where big, only with two thread
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from worker_mlx.backends import cpu_split
-from worker_mlx.backends.cpu_kernels import scaled_dot_product_attention
+from worker_mlx.backends.cpu_kernels import host_exp, scaled_dot_product_attention, swiglu
 from worker_mlx.backends.cpu_linear import small_rows_matmul
 
 
@@ -93,3 +95,66 @@ def test_one_query_attention_in_halves_is_bit_identical(masked, compiled, monkey
     assert mx.array_equal(whole, halves).item()
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert mx.allclose(halves, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_host_halves_run_the_second_half_on_a_helper_thread(split, monkeypatch):
+    """Both halves, together exactly the rows, one of them off the calling thread; whole
+    below the size, for one row, and without the second stream."""
+
+    def record(n: int, elements: int) -> list[tuple[int, int, int]]:
+        calls = []
+        cpu_split.host_halves(
+            lambda part: calls.append((part.start, part.stop, threading.get_ident())),
+            n,
+            elements,
+        )
+        return sorted(calls)
+
+    me = threading.get_ident()
+    calls = record(5, cpu_split.MIN_HOST_ELEMENTS)
+    assert [(a, b) for a, b, _ in calls] == [(0, 2), (2, 5)]
+    assert calls[0][2] == me and calls[1][2] != me
+    assert record(5, cpu_split.MIN_HOST_ELEMENTS - 1) == [(0, 5, me)]
+    assert record(1, 1 << 30) == [(0, 1, me)]
+    monkeypatch.setattr(cpu_split, "_second", None)
+    assert record(5, 1 << 30) == [(0, 5, me)]
+
+
+@pytest.mark.parametrize(
+    "scores_shape,mask_kind,with_sinks",
+    [
+        ((3, 2, 2, 40, 300), "rows", False),  # split along the batch, a mask per row
+        ((1, 2, 2, 40, 300), "causal", True),  # one row: along its KV heads; a shared mask
+        ((1, 1, 4, 40, 300), "additive", False),  # one KV head: along its query heads
+        ((2, 2, 2, 40, 300), None, True),
+    ],
+)
+def test_host_exp_in_halves_is_bit_identical(monkeypatch, scores_shape, mask_kind, with_sinks):
+    """A prefill's softmax with half of its rows on the helper thread: the same exps and
+    sums, whatever axis the rows split along and however the mask and sinks broadcast."""
+    monkeypatch.setattr(cpu_split, "MIN_HOST_ELEMENTS", 0)
+    B, Hk, rep, L, S = scores_shape
+    k0, k1, k2 = mx.random.split(mx.random.key(3), 3)
+    scores = mx.random.normal(scores_shape, key=k0) * 4
+    visible = mx.random.uniform(shape=(B, 1, 1, L, S), key=k1) > 0.3
+    visible[..., 0] = True
+    mask = {
+        None: None,
+        "rows": visible,
+        "causal": mx.arange(S)[None] <= mx.arange(S - L, S)[:, None],
+        "additive": mx.where(visible, 0.0, -mx.inf),
+    }[mask_kind]
+    sinks = mx.random.normal((1, Hk, rep, 1, 1), key=k2) if with_sinks else None
+    # host_exp overwrites its scores: each call gets its own copy
+    whole, halves = _both(lambda: host_exp(mx.array(np.array(scores)), mask, sinks))
+    for a, b in zip(whole, halves):
+        assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 300, 96), (5, 7, 64)])
+def test_swiglu_in_halves_is_bit_identical(monkeypatch, shape):
+    monkeypatch.setattr(cpu_split, "MIN_HOST_ELEMENTS", 0)
+    k0, k1 = mx.random.split(mx.random.key(5))
+    gate, x = mx.random.normal(shape, key=k0) * 3, mx.random.normal(shape, key=k1)
+    whole, halves = _both(swiglu, gate, x)
+    assert mx.array_equal(whole, halves).item()

@@ -84,11 +84,17 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     if gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
         out = -gate  # a fresh buffer for numpy to work in
         if _evaluated(out, gate, x):
-            o = np.asarray(memoryview(out))
-            np.exp(o, out=o)
-            o += 1.0
-            np.divide(np.asarray(memoryview(gate)), o, out=o)
-            o *= np.asarray(memoryview(x))
+            o, g, v = (np.asarray(memoryview(a)) for a in (out, gate, x))
+            axis = _split_axis(o.shape)
+
+            def rows(part: slice) -> None:
+                o_, g_, v_ = (_share(a, o.ndim, axis, part) for a in (o, g, v))
+                np.exp(o_, out=o_)
+                o_ += 1.0
+                np.divide(g_, o_, out=o_)
+                o_ *= v_
+
+            cpu_split.host_halves(rows, o.shape[axis], o.size)
             return out
     g = gate.astype(mx.float32)
     return (g / (1.0 + fast_exp(-g)) * x).astype(x.dtype)
@@ -150,23 +156,52 @@ def host_exp(
         exps, sums = _exps_and_sums(_masked(scores, mask), sinks)
         return exps, 1.0 / sums
     s = np.asarray(memoryview(scores))  # a writable view of the buffer, no copy
-    if mask is not None:
-        m = np.asarray(memoryview(mask))
+    m, sink = (None if a is None else np.asarray(memoryview(a)) for a in (mask, sinks))
+    sums = np.empty((*s.shape[:-1], 1), np.float32)
+    axis = _split_axis(s.shape)
+
+    def rows(part: slice) -> None:
+        share = (_share(a, s.ndim, axis, part) for a in (s, m, sink, sums))
+        _host_exp_rows(*share)
+
+    cpu_split.host_halves(rows, s.shape[axis], s.size)
+    return scores, mx.array(np.reciprocal(sums))
+
+
+def _host_exp_rows(s: np.ndarray, m: np.ndarray | None, sink: np.ndarray | None, sums) -> None:
+    """host_exp's work on some of the rows, in place: `s` becomes the exps, `sums` (the
+    rows' share) their sums."""
+    if m is not None:
         if m.dtype == np.bool_:
             first = _first_hidden_column(m)  # the columns before it are visible to all rows
             np.copyto(s[..., first:], -np.inf, where=~m[..., first:])
         else:
             s += m
     top = s.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = np.asarray(memoryview(sinks))
+    if sink is not None:
         top = np.maximum(top, sink)
     np.subtract(s, top, out=s)
     np.exp(s, out=s)
-    sums = s.sum(axis=-1, keepdims=True)
-    if sinks is not None:
+    np.sum(s, axis=-1, keepdims=True, out=sums)
+    if sink is not None:
         sums += np.exp(sink - top)
-    return scores, mx.array(np.reciprocal(sums))
+
+
+def _split_axis(shape: tuple[int, ...]) -> int:
+    """The first axis before the last with more than one entry (0 if none): the rows of
+    host work split along it."""
+    return next((a for a in range(len(shape) - 1) if shape[a] > 1), 0)
+
+
+def _share(a: np.ndarray | None, ndim: int, axis: int, part: slice) -> np.ndarray | None:
+    """`a`'s entries for `part` of `axis` of an ndim-dim array it broadcasts against
+    (aligned from the right); all of it where it has no such axis or broadcasts along it."""
+    if a is None:
+        return None
+    ax = axis - (ndim - a.ndim)
+    if ax < 0 or a.shape[ax] == 1:
+        return a
+    return a[(slice(None),) * ax + (part,)]
 
 
 def _first_hidden_column(mask: np.ndarray) -> int:
