@@ -1,4 +1,5 @@
-"""A decode step's big reads in two halves, on two CPU streams, so both cores read memory.
+"""A step's big work in two halves, so both cores work: a decode step's big reads on two
+CPU streams, a prefill's numpy work on two threads.
 
 A decode step reads every weight once and each row's K/V once, and on the CPU each of
 those products runs on one thread: the few-row linear layers as OpenBLAS's small-matrix
