@@ -101,23 +101,25 @@ def test_host_halves_run_the_second_half_on_a_helper_thread(split, monkeypatch):
     """Both halves, together exactly the rows, one of them off the calling thread; whole
     below the size, for one row, and without the second stream."""
 
-    def record(n: int, elements: int) -> list[tuple[int, int, int]]:
+    def record(shape: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        rows = np.arange(shape[0])[(slice(None),) + (None,) * (len(shape) - 1)]
         calls = []
         cpu_split.host_halves(
-            lambda part: calls.append((part.start, part.stop, threading.get_ident())),
-            n,
-            elements,
+            lambda a: calls.append((int(a[0, 0]), int(a[-1, 0]) + 1, threading.get_ident())),
+            np.broadcast_to(rows, shape),
         )
         return sorted(calls)
 
     me = threading.get_ident()
-    calls = record(5, cpu_split.MIN_HOST_ELEMENTS)
+    big = cpu_split.MIN_HOST_ELEMENTS
+    calls = record((5, big // 5 + 1))
     assert [(a, b) for a, b, _ in calls] == [(0, 2), (2, 5)]
     assert calls[0][2] == me and calls[1][2] != me
-    assert record(5, cpu_split.MIN_HOST_ELEMENTS - 1) == [(0, 5, me)]
-    assert record(1, 1 << 30) == [(0, 1, me)]
+    assert [(a, b) for a, b, _ in record((big, 1))] == [(0, big // 2), (big // 2, big)]
+    assert record((big - 1, 1)) == [(0, big - 1, me)]  # one element short of the size
+    assert record((1, big)) == [(0, 1, me)]
     monkeypatch.setattr(cpu_split, "_second", None)
-    assert record(5, 1 << 30) == [(0, 5, me)]
+    assert record((5, big)) == [(0, 5, me)]
 
 
 @pytest.mark.parametrize(

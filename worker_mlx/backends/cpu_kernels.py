@@ -84,20 +84,19 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     if gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
         out = -gate  # a fresh buffer for numpy to work in
         if _evaluated(out, gate, x):
-            o, g, v = (np.asarray(memoryview(a)) for a in (out, gate, x))
-            axis = _split_axis(o.shape)
-
-            def rows(part: slice) -> None:
-                o_, g_, v_ = (_share(a, o.ndim, axis, part) for a in (o, g, v))
-                np.exp(o_, out=o_)
-                o_ += 1.0
-                np.divide(g_, o_, out=o_)
-                o_ *= v_
-
-            cpu_split.host_halves(rows, o.shape[axis], o.size)
+            arrays = (np.asarray(memoryview(a)) for a in (out, gate, x))
+            cpu_split.host_halves(_host_swiglu, *arrays)
             return out
     g = gate.astype(mx.float32)
     return (g / (1.0 + fast_exp(-g)) * x).astype(x.dtype)
+
+
+def _host_swiglu(o: np.ndarray, gate: np.ndarray, x: np.ndarray) -> None:
+    """silu(gate) * x into `o`, which holds -gate."""
+    np.exp(o, out=o)
+    o += 1.0
+    np.divide(gate, o, out=o)
+    o *= x
 
 
 def precise_swiglu(h: mx.array, gate: mx.array, x: mx.array) -> mx.array:
@@ -158,13 +157,7 @@ def host_exp(
     s = np.asarray(memoryview(scores))  # a writable view of the buffer, no copy
     m, sink = (None if a is None else np.asarray(memoryview(a)) for a in (mask, sinks))
     sums = np.empty((*s.shape[:-1], 1), np.float32)
-    axis = _split_axis(s.shape)
-
-    def rows(part: slice) -> None:
-        share = (_share(a, s.ndim, axis, part) for a in (s, m, sink, sums))
-        _host_exp_rows(*share)
-
-    cpu_split.host_halves(rows, s.shape[axis], s.size)
+    cpu_split.host_halves(_host_exp_rows, s, m, sink, sums)
     return scores, mx.array(np.reciprocal(sums))
 
 
@@ -185,23 +178,6 @@ def _host_exp_rows(s: np.ndarray, m: np.ndarray | None, sink: np.ndarray | None,
     np.sum(s, axis=-1, keepdims=True, out=sums)
     if sink is not None:
         sums += np.exp(sink - top)
-
-
-def _split_axis(shape: tuple[int, ...]) -> int:
-    """The first axis before the last with more than one entry (0 if none): the rows of
-    host work split along it."""
-    return next((a for a in range(len(shape) - 1) if shape[a] > 1), 0)
-
-
-def _share(a: np.ndarray | None, ndim: int, axis: int, part: slice) -> np.ndarray | None:
-    """`a`'s entries for `part` of `axis` of an ndim-dim array it broadcasts against
-    (aligned from the right); all of it where it has no such axis or broadcasts along it."""
-    if a is None:
-        return None
-    ax = axis - (ndim - a.ndim)
-    if ax < 0 or a.shape[ax] == 1:
-        return a
-    return a[(slice(None),) * ax + (part,)]
 
 
 def _first_hidden_column(mask: np.ndarray) -> int:

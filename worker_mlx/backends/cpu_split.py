@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
+import numpy as np
 
 from worker_mlx.backends.blas import cores
 
@@ -85,15 +86,36 @@ def halves(compute: Callable[[slice], mx.array], n: int, nbytes: int) -> mx.arra
     return mx.concatenate([first, rest])
 
 
-def host_halves(compute: Callable[[slice], None], n: int, elements: int) -> None:
-    """compute(slice(0, n)) of host (numpy) work over `elements`, as the second half on a
-    helper thread while this one computes the first; whole where not split."""
+def host_halves(compute: Callable[..., None], *arrays: np.ndarray | None) -> None:
+    """compute(*arrays), host (numpy) work in place, as two calls on halves of the rows of
+    arrays[0], split along its first axis before the last with more than one entry; the
+    other arrays (broadcasting against it, aligned from the right; None for absent ones)
+    are cut along with it where they have that axis. The second half runs on a helper
+    thread while this one computes the first; whole where not split."""
     global _helper
-    if _second is None or n < 2 or elements < MIN_HOST_ELEMENTS:
-        compute(slice(0, n))
+    ref = arrays[0]
+    axis = next((a for a in range(ref.ndim - 1) if ref.shape[a] > 1), 0)
+    n = ref.shape[axis]
+    if _second is None or n < 2 or ref.size < MIN_HOST_ELEMENTS:
+        compute(*arrays)
         return
+
+    def rows(part: slice) -> None:
+        compute(*(_share(a, ref.ndim, axis, part) for a in arrays))
+
     _helper = _helper or ThreadPoolExecutor(1, thread_name_prefix="host-half")
     h = n // 2
-    rest = _helper.submit(compute, slice(h, n))
-    compute(slice(0, h))
+    rest = _helper.submit(rows, slice(h, n))
+    rows(slice(0, h))
     rest.result()
+
+
+def _share(a: np.ndarray | None, ndim: int, axis: int, part: slice) -> np.ndarray | None:
+    """`a`'s entries for `part` of `axis` of an ndim-dim array it broadcasts against
+    (aligned from the right); all of it where it has no such axis or broadcasts along it."""
+    if a is None:
+        return None
+    ax = axis - (ndim - a.ndim)
+    if ax < 0 or a.shape[ax] == 1:
+        return a
+    return a[(slice(None),) * ax + (part,)]
