@@ -238,6 +238,7 @@ def test_batched_runner_with_kernels_matches_stock_generation(small_model, form,
         monkeypatch.setattr(cpu_kernels, "SMALL_MNK", 64 * 2 * 64)
     if form == "halves":
         monkeypatch.setattr(cpu_split, "MIN_BYTES", 0)
+        monkeypatch.setattr(cpu_split, "MIN_ATTENTION_BYTES", 0)
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
         monkeypatch.setattr(cpu_split, "_second", None)  # put back after the test
         cpu_split.install()

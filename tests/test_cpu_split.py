@@ -48,6 +48,9 @@ def test_the_second_stream_needs_two_threads_and_a_big_product(monkeypatch):
         stream = cpu_split.second_stream(cpu_split.MIN_BYTES)
         assert stream is not None and stream != mx.default_stream(mx.cpu)
         assert cpu_split.second_stream(cpu_split.MIN_BYTES - 1) is None
+        attention = cpu_split.MIN_ATTENTION_BYTES
+        assert cpu_split.second_stream(attention, attention) == stream
+        assert cpu_split.second_stream(attention - 1, attention) is None
     finally:
         undo()
     assert cpu_split.second_stream(1 << 30) is None  # the undo turns it off
@@ -80,21 +83,36 @@ def test_few_row_linear_in_halves_is_bit_identical(rows, compiled, monkeypatch):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_one_query_attention_in_halves_is_bit_identical(masked, compiled, monkeypatch):
-    """Eight rows' K/V of 8 MiB: half of the rows on each stream, per-row masks following
+    """Eight rows' K/V of 16 MiB: half of the rows on each stream, per-row masks following
     their rows, against the unsplit attention and mlx's own."""
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     k0, k1, k2, k3 = mx.random.split(mx.random.key(5), 4)
     q = mx.random.normal((8, 4, 1, 64), key=k0)
-    k = mx.random.normal((8, 2, 1024, 64), key=k1)
-    v = mx.random.normal((8, 2, 1024, 64), key=k2)
-    assert k.nbytes + v.nbytes >= cpu_split.MIN_BYTES
-    mask = mx.random.uniform(shape=(8, 1, 1, 1024), key=k3) > 0.3 if masked else None
+    k = mx.random.normal((8, 2, 2048, 64), key=k1)
+    v = mx.random.normal((8, 2, 2048, 64), key=k2)
+    assert k.nbytes + v.nbytes >= cpu_split.MIN_ATTENTION_BYTES
+    mask = mx.random.uniform(shape=(8, 1, 1, 2048), key=k3) > 0.3 if masked else None
     attend = partial(scaled_dot_product_attention, scale=0.125, mask=mask)
     fn = mx.compile(attend) if compiled else attend
     whole, halves = _both(fn, q, k, v)
     assert mx.array_equal(whole, halves).item()
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     assert mx.allclose(halves, want, rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("columns, split_", [(1024, False), (2048, True)])
+def test_one_query_attention_splits_from_its_own_size(split, columns, split_, monkeypatch):
+    """A layer's attention over eight rows is split only from MIN_ATTENTION_BYTES of K/V
+    (2,048 columns here, 16 MiB), not from the weights' MIN_BYTES (1,024: 8 MiB)."""
+    asked = []
+    stream_for = cpu_split.second_stream
+    monkeypatch.setattr(
+        cpu_split, "second_stream", lambda *a: asked.append(stream_for(*a)) or asked[-1]
+    )
+    q = mx.zeros((8, 4, 1, 64))
+    kv = mx.zeros((8, 2, columns, 64))
+    mx.eval(scaled_dot_product_attention(q, kv, kv, scale=0.125, mask=None))
+    assert len(asked) == 1 and (asked[0] is not None) == split_
 
 
 def test_host_halves_run_the_second_half_on_a_helper_thread(split, monkeypatch):

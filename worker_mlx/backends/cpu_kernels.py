@@ -262,7 +262,8 @@ def _one_query_attention(
         m = mask[part] if mask is not None and mask.shape[0] > 1 else mask
         return _rows_attention(q[part], keys[part], values[part], m, sinks)
 
-    return cpu_split.halves(rows, q.shape[0], keys.nbytes + values.nbytes)
+    nbytes = keys.nbytes + values.nbytes
+    return cpu_split.halves(rows, q.shape[0], nbytes, cpu_split.MIN_ATTENTION_BYTES)
 
 
 def _rows_attention(

@@ -16,8 +16,9 @@ calling thread while the step's compute threads wait for it: `host_halves` gives
 its rows to a helper thread (numpy releases the GIL in its loops), the same per-row
 arithmetic, so bit-identical too.
 
-Only products that read at least MIN_BYTES are split: smaller ones stay in the caches from
-step to step, where the second stream's hand-offs cost more than they save. `install`
+Only products that read at least MIN_BYTES are split (a layer's one-query attention, at least
+MIN_ATTENTION_BYTES): smaller ones stay in the caches from step to step, where the second
+stream's hand-offs cost more than they save. `install`
 makes the stream when the process may use two threads (OPENBLAS_NUM_THREADS, which a
 distributed worker's ranks on one host share out, else the cores it may run on).
 """
@@ -37,6 +38,12 @@ from worker_mlx.backends.blas import cores
 # are, the small preset's (at most 0.75 MiB) are not; at batch 8 the small preset's K/V
 # is past 512 tokens of context, the medium preset's past 64.
 MIN_BYTES = 4 << 20
+# A layer's one-query attention (all rows' K/V) before it is split: the small preset's at
+# batch 8 and 1k tokens of context (9 MiB a layer) ran no faster in halves, as a step or
+# alone, and over HTTP its halves waited on the core the router and scheduler use (ITL
+# p50 1.1-1.2x); at 2k (17 MiB) and the medium preset's 256 (21 MiB) halves gain 0.8x and
+# 0.56x (docs/performance.md, issue 32).
+MIN_ATTENTION_BYTES = 16 << 20
 
 _made: mx.Stream | None = None  # made once: each stream is a thread for the process's life
 _second: mx.Stream | None = None  # _made while installed
@@ -68,15 +75,18 @@ def install() -> Callable[[], None]:
     return undo
 
 
-def second_stream(nbytes: int) -> mx.Stream | None:
-    """The stream for the second half of a product reading `nbytes`, or None: unsplit."""
-    return _second if nbytes >= MIN_BYTES else None
+def second_stream(nbytes: int, min_bytes: int = MIN_BYTES) -> mx.Stream | None:
+    """The stream for the second half of a product reading `nbytes`, or None: unsplit
+    (below `min_bytes`)."""
+    return _second if nbytes >= min_bytes else None
 
 
-def halves(compute: Callable[[slice], mx.array], n: int, nbytes: int) -> mx.array:
+def halves(
+    compute: Callable[[slice], mx.array], n: int, nbytes: int, min_bytes: int = MIN_BYTES
+) -> mx.array:
     """compute(slice(0, n)), as compute of the first half on the current stream and of
     the second on the second stream, joined along the first axis; whole where not split."""
-    stream = second_stream(nbytes) if n >= 2 else None
+    stream = second_stream(nbytes, min_bytes) if n >= 2 else None
     if stream is None:
         return compute(slice(0, n))
     h = n // 2
