@@ -75,14 +75,14 @@ def install() -> Callable[[], None]:
     return undo
 
 
-def second_stream(nbytes: int, min_bytes: int = MIN_BYTES) -> mx.Stream | None:
+def second_stream(nbytes: int, min_bytes: int | None = None) -> mx.Stream | None:
     """The stream for the second half of a product reading `nbytes`, or None: unsplit
-    (below `min_bytes`)."""
-    return _second if nbytes >= min_bytes else None
+    (below `min_bytes`, by default MIN_BYTES)."""
+    return _second if nbytes >= (MIN_BYTES if min_bytes is None else min_bytes) else None
 
 
 def halves(
-    compute: Callable[[slice], mx.array], n: int, nbytes: int, min_bytes: int = MIN_BYTES
+    compute: Callable[[slice], mx.array], n: int, nbytes: int, min_bytes: int | None = None
 ) -> mx.array:
     """compute(slice(0, n)), as compute of the first half on the current stream and of
     the second on the second stream, joined along the first axis; whole where not split."""
