@@ -6,10 +6,14 @@ A preset's shapes with random float32 weights and K/V, each part compiled and ev
 alone (mx.eval barriers), best and median of --repeats:
 
 - weights: every linear layer of every decoder layer at `batch-size` rows, once as the
-  stock `x @ W.T` and once as the CPU backend runs it (worker_mlx/backends/cpu_linear.py);
+  stock `x @ W.T` and once as the CPU backend runs it (worker_mlx/backends/cpu_linear.py,
+  its big products in halves on two CPU streams: cpu_split);
 - attention, per context: each layer writes one column into its (B, Hk, capacity, D)
   K/V buffers and attends over the written columns rounded up as the compiled step does
-  (decode_step.attention_width), through the CPU kernels' attention (cpu_kernels.py).
+  (decode_step.attention_width), through the CPU kernels' attention (cpu_kernels.py),
+  once whole and once in halves on two CPU streams (cpu_split; with two threads), the
+  one the backend takes at that size marked: where `cpu_split.MIN_ATTENTION_BYTES`
+  should sit on this machine.
 
 GB/s are the bytes read (weights, or K/V up to the context) per second; set them beside
 `python -m benchmarks.bandwidth`. What is left of `benchmarks.decode_floor`'s step is
@@ -19,6 +23,7 @@ the rest (norms, RoPE, the head, sampling, the step's own overhead).
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 from common.tiny_presets import PRESETS
 from worker_mlx.backends.blas import preload_openblas
@@ -28,7 +33,7 @@ BLAS = preload_openblas()
 import mlx.core as mx  # noqa: E402
 
 from benchmarks.bandwidth import timed  # noqa: E402
-from worker_mlx.backends import cpu_kernels  # noqa: E402
+from worker_mlx.backends import cpu_kernels, cpu_split  # noqa: E402
 from worker_mlx.backends.cpu_linear import small_rows_matmul  # noqa: E402
 from worker_mlx.decode_step import attention_width  # noqa: E402
 
@@ -79,18 +84,35 @@ def attention(p: dict, rows: int, context: int, repeats: int) -> None:
         ]
         return outs, keys, values
 
-    compiled, at = mx.compile(step), mx.array([context], mx.int32)
-    state = [keys, values]
-
-    def run():
-        outs, state[0], state[1] = compiled(at, *state)
-        mx.eval(outs, state)
-
-    best, med = timed(run, repeats)
+    at, state = mx.array([context], mx.int32), [keys, values]
     nbytes = 2 * layers * rows * hk * context * d * 4
-    print(f"attention at {context:>6} tokens (width {width}): best {best * 1e3:7.1f} ms, "
-          f"median {med * 1e3:7.1f} ms, {nbytes / best / 1e9:5.1f} GB/s of {nbytes / 1e6:.0f} MB"
-          )  # fmt: skip
+    layer = keys[0][:, :, :width].nbytes * 2  # what the split's size is compared with
+    two = cpu_split.second_stream(1 << 62) is not None  # else one thread: always whole
+    taken = "in halves" if two and layer >= cpu_split.MIN_ATTENTION_BYTES else "whole"
+    ways = {"whole": 1 << 62, "in halves": 0} if two else {"whole": 1 << 62}
+    for way, size in ways.items():
+        with _attention_split_from(size):
+            compiled = mx.compile(step)  # whole or halves is decided when it is traced
+
+            def run(compiled=compiled):
+                outs, state[0], state[1] = compiled(at, *state)
+                mx.eval(outs, state)
+
+            best, med = timed(run, repeats)
+        mark = " (the backend's)" if way == taken else ""
+        print(f"attention at {context:>6} tokens (width {width}, {layer / 2**20:.1f} MiB a"
+              f" layer), {way + mark:>26}: best {best * 1e3:7.1f} ms, median {med * 1e3:7.1f}"
+              f" ms, {nbytes / best / 1e9:5.1f} GB/s of {nbytes / 1e6:.0f} MB")  # fmt: skip
+
+
+@contextmanager
+def _attention_split_from(nbytes: int):
+    """The one-query attention split between the streams from `nbytes` of K/V a layer."""
+    before, cpu_split.MIN_ATTENTION_BYTES = cpu_split.MIN_ATTENTION_BYTES, nbytes
+    try:
+        yield
+    finally:
+        cpu_split.MIN_ATTENTION_BYTES = before
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,11 +123,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     mx.set_cache_limit(1 << 30)
+    undo = cpu_split.install()  # the second stream, as the worker makes it (two threads)
     print(f"{args.preset}, batch {args.batch_size}, BLAS: {BLAS}")
     p = PRESETS[args.preset]
-    weights(p, args.batch_size, args.repeats)
-    for context in args.context:
-        attention(p, args.batch_size, context, args.repeats)
+    try:
+        weights(p, args.batch_size, args.repeats)
+        for context in args.context:
+            attention(p, args.batch_size, context, args.repeats)
+    finally:
+        undo()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bandwidth, decode_floor
+from worker_mlx.backends import cpu_split
 
 
 def test_copy_bandwidth_is_measured_both_ways(tmp_path):
@@ -48,3 +49,8 @@ def test_decode_split_times_weights_and_attention(capsys):
     out = capsys.readouterr().out
     assert out.count("weights, ") == 2
     assert "attention at     40 tokens" in out and "attention at    300 tokens" in out
+    # each context whole and, with two threads, in halves; the backend's way marked once
+    halves = out.count("in halves: best") + out.count("in halves (the backend's): best")
+    assert halves == (2 if cpu_split.threads() >= 2 else 0)
+    assert out.count("(the backend's)") == 2
+    assert cpu_split.second_stream(1 << 62) is None  # the benchmark took its stream back

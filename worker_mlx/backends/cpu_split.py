@@ -38,11 +38,11 @@ from worker_mlx.backends.blas import cores
 # are, the small preset's (at most 0.75 MiB) are not; at batch 8 the small preset's K/V
 # is past 512 tokens of context, the medium preset's past 64.
 MIN_BYTES = 4 << 20
-# A layer's one-query attention (all rows' K/V) before it is split: the small preset's at
-# batch 8 and 1k tokens of context (9 MiB a layer) ran no faster in halves, as a step or
-# alone, and over HTTP its halves waited on the core the router and scheduler use (ITL
-# p50 1.1-1.2x); at 2k (17 MiB) and the medium preset's 256 (21 MiB) halves gain 0.8x and
-# 0.56x (docs/performance.md, issue 32).
+# A layer's one-query attention (all rows' K/V) before it is split: below it, halves made
+# the in-process step at most ~3% faster (8-14 MiB a layer), and over HTTP they waited on
+# the core the router and scheduler use (the small preset at 1k tokens, 9 MiB: shared-
+# prefix ITL p50 1.12x, output 0.92x); from 16 MiB alone 0.56-0.8x (docs/performance.md,
+# issue 32).
 MIN_ATTENTION_BYTES = 16 << 20
 
 _made: mx.Stream | None = None  # made once: each stream is a thread for the process's life
