@@ -16,11 +16,11 @@ calling thread while the step's compute threads wait for it: `host_halves` gives
 its rows to a helper thread (numpy releases the GIL in its loops), the same per-row
 arithmetic, so bit-identical too.
 
-Only products that read at least MIN_BYTES are split (a layer's one-query attention, at least
-MIN_ATTENTION_BYTES): smaller ones stay in the caches from step to step, where the second
-stream's hand-offs cost more than they save. `install`
-makes the stream when the process may use two threads (OPENBLAS_NUM_THREADS, which a
-distributed worker's ranks on one host share out, else the cores it may run on).
+Only products that read at least MIN_BYTES are split (a layer's one-query attention, at
+least MIN_ATTENTION_BYTES): smaller ones stay in the caches from step to step, where the
+second stream's hand-offs cost more than they save. `install` makes the stream when the
+process may use two threads (OPENBLAS_NUM_THREADS, which a distributed worker's ranks on
+one host share out, else the cores it may run on).
 """
 
 from __future__ import annotations
@@ -34,15 +34,14 @@ import numpy as np
 
 from worker_mlx.backends.blas import cores
 
-# Bytes a product must read before it is split: the medium preset's weights (4-12 MiB)
-# are, the small preset's (at most 0.75 MiB) are not; at batch 8 the small preset's K/V
-# is past 512 tokens of context, the medium preset's past 64.
+# Bytes a weight product must read before it is split: the medium preset's weights
+# (4-12 MiB) are, the small preset's (at most 0.75 MiB) are not.
 MIN_BYTES = 4 << 20
 # A layer's one-query attention (all rows' K/V) before it is split: below it, halves made
-# the in-process step at most ~3% faster (8-14 MiB a layer), and over HTTP they waited on
+# the in-process step at most ~3% faster (8-13 MiB a layer), and over HTTP they waited on
 # the core the router and scheduler use (the small preset at 1k tokens, 9 MiB: shared-
 # prefix ITL p50 1.12x, output 0.92x); from 16 MiB alone 0.56-0.8x (docs/performance.md,
-# issue 32).
+# issue 32). At batch 8: the small preset's K/V past 2k tokens, the medium preset's 256.
 MIN_ATTENTION_BYTES = 16 << 20
 
 _made: mx.Stream | None = None  # made once: each stream is a thread for the process's life
