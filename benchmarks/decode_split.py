@@ -87,9 +87,11 @@ def attention(p: dict, rows: int, context: int, repeats: int) -> None:
     at, state = mx.array([context], mx.int32), [keys, values]
     nbytes = 2 * layers * rows * hk * context * d * 4
     layer = keys[0][:, :, :width].nbytes * 2  # what the split's size is compared with
-    two = cpu_split.second_stream(1 << 62) is not None  # else one thread: always whole
-    taken = "in halves" if two and layer >= cpu_split.MIN_ATTENTION_BYTES else "whole"
-    ways = {"whole": 1 << 62, "in halves": 0} if two else {"whole": 1 << 62}
+    split = cpu_split.second_stream(layer, cpu_split.MIN_ATTENTION_BYTES) is not None
+    taken = "in halves" if split else "whole"
+    ways = {"whole": 1 << 62}
+    if cpu_split.second_stream(1 << 62) is not None:  # two threads: the stream is there
+        ways["in halves"] = 0
     for way, size in ways.items():
         with _attention_split_from(size):
             compiled = mx.compile(step)  # whole or halves is decided when it is traced
