@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -190,15 +190,19 @@ async def bench_run(
     tokenizer,
     max_concurrency: int | None = None,
     request_rate: float = math.inf,
-    seed: int = 0,
+    seed: int | str = 0,
     progress: bool = True,
     info: dict | None = None,
+    wave: int | None = None,
 ) -> RunResult:
     """One workload against one endpoint. Same seed and load, same prompts on every backend;
-    another load (even the same workload at another concurrency) shares no prefix with it."""
+    another load (even the same workload at another concurrency) shares no prefix with it.
+    `wave`: only the first turns of the first `wave` sessions (a warm-up)."""
     load = f"{spec.key()} c{max_concurrency} r{request_rate}"
     factory = PromptFactory(tokenizer, f"{seed}:{load}")
     sessions = build_sessions(spec, factory)
+    if wave is not None:
+        sessions = [replace(s, turns=s.turns[:1]) for s in sessions[:wave]]
     transport = {"mlx-lm": "http", **dict.fromkeys(PEERS, "http"), INPROCESS: "none"}.get(
         ep.backend, transport
     )
@@ -221,12 +225,30 @@ async def bench_run(
     return RunResult(ep.backend, transport, spec, max_concurrency, request_rate, dur, reqs, info)
 
 
-async def warm_up(ep: Endpoint, transport: str, tokenizer, n: int) -> None:
-    """A few short unrelated requests so lazy loading and first-call costs are not measured."""
+WARM_UP_SEED = "warm-up"  # no load's seed: the warm-up's prompts are none of the load's
+
+
+async def warm_up(
+    ep: Endpoint, transport: str, tokenizer, n: int, load: PlannedRun | None = None
+) -> None:
+    """A few short unrelated requests so lazy loading and first-call costs are not measured;
+    with `load`, that load's first wave instead: the first turns of as many of its sessions
+    as it runs at once, on other prompts, at its concurrency. So the first run of a load's
+    shapes is not measured either: mlx's CPU kernels for them (built by g++ on first use
+    and cached under $TMPDIR/mlx, shared by every backend of the same mlx), and a server's
+    compiled steps (on a fresh VM the first shared-prefix run of radix-mlx measured 116
+    tok/s, the same prompts after it 428)."""
     if n <= 0:
         return
-    spec = WorkloadSpec("random", dict(num_prompts=n, input_len=16, output_len=4, range_ratio=1.0))
-    run = await bench_run(ep, transport, spec, tokenizer, n, seed=987654, progress=False)
+    if load is None:
+        short = dict(num_prompts=n, input_len=16, output_len=4, range_ratio=1.0)
+        spec, conc, wave = WorkloadSpec("random", short), n, None
+    else:
+        spec, conc = load.spec, load.max_concurrency
+        wave = conc or 8
+    run = await bench_run(
+        ep, transport, spec, tokenizer, conc, seed=WARM_UP_SEED, progress=False, wave=wave
+    )
     bad = [r.error for r in run.requests if not r.ok]
     if bad:
         raise RuntimeError(f"{ep.backend} failed its warm-up request: {bad[0]}")
@@ -321,6 +343,7 @@ async def run_backend(
     try:
         await warm_up(ep, args.transport, tokenizer, args.warmup_requests)
         for pr in runs:
+            await warm_up(ep, args.transport, tokenizer, args.warmup_requests, pr)
             run = await bench_run(
                 ep, args.transport, pr.spec, tokenizer, pr.max_concurrency, info=info, **opts
             )
@@ -435,7 +458,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the plan this many times (seed + k; fresh servers unless --base-url) and "
         "report medians (default: 3 with --suite, else 1)",
     )
-    a("--warmup-requests", type=int, default=2)
+    a(
+        "--warmup-requests",
+        type=int,
+        default=2,
+        help="short unrelated requests to each server first, then before each load its first "
+        "wave on other prompts (0: no warm-up)",
+    )
     a("--output-dir", default="bench_results")
     a("--result-file", default="bench_results/serving.jsonl")
     a("--no-plots", action="store_true")

@@ -14,7 +14,17 @@ import pytest
 from benchmarks.plots import save_plots
 from benchmarks.records import RequestResult, RunResult, WorkloadSpec
 from benchmarks.report import REFERENCE, comparison_table, compute_metrics
-from benchmarks.serving import Endpoint, bench_run, load_tokenizer, main, parse_args, plan_runs
+from benchmarks.serving import (
+    WARM_UP_SEED,
+    Endpoint,
+    PlannedRun,
+    bench_run,
+    load_tokenizer,
+    main,
+    parse_args,
+    plan_runs,
+    warm_up,
+)
 from benchmarks.summary import Target, check_targets, median_over_repeats
 from benchmarks.workloads import PromptFactory, build_sessions
 
@@ -76,6 +86,23 @@ def test_shared_prefix_workload_shares_the_prefix(endpoint, tokenizer):
     assert len(run.requests) == 8
     assert {r.prompt_len for r in run.requests} == {144}
     assert m["cached_share"] > 0  # the server's cached_tokens reach the report
+
+
+def test_warm_up_runs_the_loads_first_wave_on_prompts_of_its_own(endpoint, tokenizer):
+    """Before a load, its first wave: the first turns of as many of its sessions as it runs
+    at once, the load's shapes on other prompts, so that the load still computes each of
+    its own prefixes."""
+    params = dict(groups=3, prompts_per_group=3, system_len=96, question_len=8, output_len=3)
+    load = PlannedRun("radix-mlx", WorkloadSpec("generated-shared-prefix", params), 4)
+    asyncio.run(warm_up(endpoint, "http", tokenizer, 1, load))
+    # the same wave again: every prompt of it is now cached but its last token
+    again, _ = _run(endpoint, tokenizer, load.spec, max_concurrency=4, seed=WARM_UP_SEED, wave=4)
+    assert [r.prompt_len for r in again.requests] == [104] * 4
+    assert all(r.cached_tokens == r.prompt_len - 1 for r in again.requests)
+    run, m = _run(endpoint, tokenizer, load.spec, max_concurrency=4)
+    _check_consistent(run, m)
+    assert len(run.requests) == 9
+    assert sum(r.cached_tokens < 96 for r in run.requests) >= 3  # each group's prefix, once
 
 
 def test_multi_turn_carries_the_real_history(endpoint, tokenizer):
