@@ -582,6 +582,36 @@ def test_chunked_prefill(model_path, interleave):
     h.assert_pool_holds("long")
 
 
+def test_a_one_token_piece_then_another_pass_writes_the_pool_in_place(tiny_model):
+    """A pass that samples no row leaves its output unevaluated; a one-token piece's
+    attention never evaluates what it read from the pool either. Were that output alive
+    at the next pass, the pool would have two users and the next write would copy all
+    of it (on the server: 1 GiB of fresh memory a layer, a 2.5 s extend). Passes here:
+    [a0 b0], [b1], [a1: one token, a's chunk not its last], [b2] (with the CPU backend's
+    kernels, as the worker runs; without them, or with pieces of 16 tokens, the pool was
+    not copied even before)."""
+    import mlx.core as mx
+
+    from worker_mlx.backends import select
+
+    model = load_model(tiny_model)[0]
+    undo = select().install(model)  # as the worker runs it
+    try:
+        h = Harness(tiny_model, num_slots=1 << 17, prefill_step=64, model=model)
+        rng = random.Random(9)
+        a, b = random_prompt(rng, 65, h.vocab), random_prompt(rng, 192, h.vocab)
+        h.extend([h.ereq("warm", random_prompt(rng, 192, h.vocab))])  # first-use costs
+        mx.eval(h.pool.arrays())
+        part = h.pool.parts[0][0].nbytes
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        h.extend([h.ereq("a", a, last_chunk=False), h.ereq("b", b)])
+        assert mx.get_peak_memory() - before < part // 2
+    finally:
+        undo()
+    assert h.out["b"] == reference(h.path, b, 1)
+
+
 # ---------------------------------------------------------------- 5. failure mode 1
 
 

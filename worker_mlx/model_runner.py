@@ -125,6 +125,11 @@ class ModelRunner:
                 decodings += [self._new_decoding(owners[i]) for i in sampled]
                 order += [position[id(owners[i])] for i in sampled]
             self._settle(hidden, last_logits, last=n + 1 == len(steps))
+            # A pass none of whose rows ends here leaves `hidden` unevaluated, its graph
+            # holding the pool as that pass's reads saw it: alive into the next pass, the
+            # pool would have two users, and the next write would copy all of it (a
+            # 1-token piece, whose attention never evaluates its reads: 1 GiB a layer).
+            del hidden
         if not decodings:
             mx.eval(self.ledger.arrays())
             return StepOutput([], [])
