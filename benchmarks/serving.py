@@ -232,13 +232,14 @@ async def warm_up(
     ep: Endpoint, transport: str, tokenizer, n: int, load: PlannedRun | None = None
 ) -> None:
     """A few short unrelated requests so lazy loading and first-call costs are not measured;
-    with `load`, that load's first wave instead: the first turns of as many of its sessions
-    as it runs at once, on other prompts, at its concurrency. So the first run of a load's
-    shapes is not measured either: mlx's CPU kernels for them (built by g++ on first use
-    and cached under $TMPDIR/mlx, shared by every backend of the same mlx), and a server's
-    compiled steps (on a fresh VM the first shared-prefix run of radix-mlx measured 116
-    tok/s, the same prompts after it 428)."""
-    if n <= 0:
+    with `load`, on a radix-mlx server, that load's first wave instead: the first turns of
+    as many of its sessions as it runs at once, on other prompts, at its concurrency. So
+    the first run of the load's shapes is not measured either: the worker's fused kernels
+    for them (mlx's CPU backend builds each with g++ on first use, cached under
+    $TMPDIR/mlx; on a fresh VM the first shared-prefix run measured 116 tok/s, the same
+    prompts after it 428) and its compiled steps. A peer keeps the short requests alone:
+    the wave left in its prefix cache made the best peer's shared-prefix run 0.93x."""
+    if n <= 0 or (load is not None and load.backend in PEER_BACKENDS):
         return
     if load is None:
         short = dict(num_prompts=n, input_len=16, output_len=4, range_ratio=1.0)

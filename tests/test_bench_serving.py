@@ -103,6 +103,14 @@ def test_warm_up_runs_the_loads_first_wave_on_prompts_of_its_own(endpoint, token
     _check_consistent(run, m)
     assert len(run.requests) == 9
     assert sum(r.cached_tokens < 96 for r in run.requests) >= 3  # each group's prefix, once
+    # a peer's server gets no wave (its prefix cache would hold it during the load)
+    params = dict(groups=2, prompts_per_group=2, system_len=80, question_len=8, output_len=2)
+    peer_load = PlannedRun("mlx-lm", WorkloadSpec("generated-shared-prefix", params), 2)
+    asyncio.run(warm_up(endpoint, "http", tokenizer, 1, peer_load))
+    wave, _ = _run(
+        endpoint, tokenizer, peer_load.spec, max_concurrency=2, seed=WARM_UP_SEED, wave=2
+    )
+    assert any(r.cached_tokens < 80 for r in wave.requests)
 
 
 def test_multi_turn_carries_the_real_history(endpoint, tokenizer):
