@@ -127,8 +127,8 @@ class ModelRunner:
             self._settle(hidden, last_logits, last=n + 1 == len(steps))
             # A pass none of whose rows ends here leaves `hidden` unevaluated, its graph
             # holding the pool as that pass's reads saw it: alive into the next pass, the
-            # pool would have two users, and the next write would copy all of it (a
-            # 1-token piece, whose attention never evaluates its reads: 1 GiB a layer).
+            # pool would have two users, and the next write would copy all of it (a piece
+            # of a token or two, whose attention never evaluates its reads: 1 GiB a layer).
             del hidden
         if not decodings:
             mx.eval(self.ledger.arrays())
