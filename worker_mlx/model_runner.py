@@ -270,7 +270,7 @@ class ModelRunner:
         """The fallback: each request's step is an extend of its last token on the pool."""
         parts = []
         pool = self.ledger.readable_pool()
-        for s, slot in zip(decodings, slots):
+        for n, (s, slot) in enumerate(zip(decodings, slots)):
             home = self.ledger.state_slot(s.rid)
             step = ExtendReq(
                 s.rid, [s.last_token], self.ledger.slots(s.rid), [slot], s.sampling,
@@ -278,7 +278,10 @@ class ModelRunner:
             )  # fmt: skip
             forward = lambda t, c, **kw: self.model(t, cache=c, **kw)  # noqa: E731
             parts.append(self._pass(pool, [step], forward)[:, -1, :])
-            self._settle(parts[-1], [], last=True)
+            # the row's logits evaluated before the next row's pass writes the pool: left
+            # lazy, their graph holds the pool and that write copies all of it (as in
+            # `_extend`)
+            self._settle(parts[-1], parts[-1:], last=n + 1 == len(decodings))
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         return sample_and_record(logits, decodings, self.ledger.arrays(), self.grammars)
 
